@@ -262,31 +262,42 @@ class GgufVocab(NamedTuple):
 _GGUF_VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 
+def _gguf_header_transformers(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """``gguf_vocab``'s metadata and tensor shapes (torch order) through transformers' header reader (>= 5.25)."""
+    from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(path))  # a string array is read as its length
+    return metadata, {t.name: tuple(t.shape) for t in GgufHeader.from_file(str(path)).tensors}
+
+
+def _gguf_header_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """``gguf_vocab``'s metadata and tensor shapes (torch order) through gguf's ``GGUFReader``."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    metadata: dict[str, Any] = {}
+    for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.tokens"):
+        field = reader.get_field(key)
+        if field is not None:
+            metadata[key] = field.contents() if key != "tokenizer.ggml.tokens" else len(field.data)
+    arch = metadata.get("general.architecture")
+    field = reader.get_field(f"{arch}.vocab_size")
+    if field is not None:
+        metadata[f"{arch}.vocab_size"] = int(field.contents())
+    return metadata, {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # ggml order reversed
+
+
 def gguf_vocab(path: Path) -> GgufVocab:
     """The vocabulary metadata and the embedding tensor's rows of the GGUF file ``path`` (its header alone:
-    ~40 ms for SmolLM2-135M with transformers' reader, ~4 s with gguf's ``GGUFReader`` before transformers 5.25)."""
+    ~40 ms for SmolLM2-135M with transformers' reader, ~4 s with gguf's ``GGUFReader``, which reads what
+    transformers' does not: before transformers 5.25, or a tensor type its reader does not know, as 5.17's Q4_1)."""
     try:
-        from transformers.integrations.gguf.reader import (  # transformers >= 5.25
-            GgufHeader,
-            read_gguf_metadata,
-        )
-
-        metadata, _ = read_gguf_metadata(str(path))  # a string array is read as its length
-        shapes = {t.name: tuple(t.shape) for t in GgufHeader.from_file(str(path)).tensors}  # torch order
+        metadata, shapes = _gguf_header_transformers(path)
     except ImportError:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        metadata = {}
-        for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.tokens"):
-            field = reader.get_field(key)
-            if field is not None:
-                metadata[key] = field.contents() if key != "tokenizer.ggml.tokens" else len(field.data)
-        arch = metadata.get("general.architecture")
-        field = reader.get_field(f"{arch}.vocab_size")
-        if field is not None:
-            metadata[f"{arch}.vocab_size"] = int(field.contents())
-        shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # ggml order reversed
+        metadata, shapes = _gguf_header_gguf(path)
+    except (ValueError, KeyError, struct.error):  # a type or layout it does not know: gguf's reader may
+        logger.debug("transformers' GGUF header reader could not read %s; using gguf's reader", path)
+        metadata, shapes = _gguf_header_gguf(path)
     tokens = metadata.get("tokenizer.ggml.tokens")
     tokens = tokens if isinstance(tokens, int) or tokens is None else len(tokens)
     stated = metadata.get(f"{metadata.get('general.architecture')}.vocab_size", tokens)
