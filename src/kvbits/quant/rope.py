@@ -254,11 +254,15 @@ def _instantiate(
 @functools.cache
 def _undecorated_forward(cls: type) -> Any:
     """``cls.forward`` without transformers' ``dynamic_rope_update`` (the frequency update of length-dependent rope
-    types) when that decorator is the outermost one, else None."""
+    types) when that decorator is the outermost one, or under ``torch.no_grad()`` alone (transformers 5.17 puts it
+    outside; ``_forward`` calls under ``no_grad`` anyway), else None."""
     from transformers.modeling_rope_utils import dynamic_rope_update
 
     fwd = getattr(cls, "forward", None)
     wrapper = dynamic_rope_update(lambda *a, **k: None)  # every wrapper it returns shares this code object
+    no_grad = torch.no_grad()(lambda: None).__code__  # and every function torch.no_grad() decorates, this one
+    while getattr(fwd, "__code__", None) is no_grad:
+        fwd = getattr(fwd, "__wrapped__", None)
     if getattr(fwd, "__code__", None) is not wrapper.__code__:
         return None
     return getattr(fwd, "__wrapped__", None)
