@@ -409,6 +409,8 @@ def test_recorded_states_are_counted_as_held(make):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     cache = QuantizedKVCache(config=cfg, scheme="fp16")
+    if "recurrent_states_to_keep" not in inspect.signature(LinearAttentionLayer.activate_past_recording).parameters:
+        pytest.skip(f"transformers {transformers.__version__} records no past recurrent states")
     cache.activate_past_recording(recurrent_states_to_keep=4)
 
     def held() -> int:
