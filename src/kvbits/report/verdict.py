@@ -54,7 +54,7 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         if r.is_baseline and not math.isnan(worst) and abs(worst) > 1e-4:
             parts.append(
                 f"Warning: the unquantized **{text(r.name)}** differs from the reference by up to "
-                f"{fmt_pct(worst)}, so the evaluation path itself adds error."
+                f"{fmt_judged(worst, threshold)}, so the evaluation path itself adds error."
             )
     no_data = [r for r in quant if not any(b.judged for b in r.buckets)]
     judged = [r for r in quant if r not in no_data]
@@ -109,7 +109,10 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         if len(vals) >= 2:
             first, last = vals[0].delta, vals[-1].delta
             if last - first > max(threshold / 4, abs(first)):
-                grows.append(f"**{text(r.name)}** ({fmt_pct(first)} at {vals[0].label} → {fmt_pct(last)} at {vals[-1].label})")
+                grows.append(
+                    f"**{text(r.name)}** ({fmt_judged(first, threshold)} at {vals[0].label} → "
+                    f"{fmt_judged(last, threshold)} at {vals[-1].label})"
+                )
     if grows:
         parts.append("Damage grows along the context for " + ", ".join(grows) + ".")
     if no_data:
