@@ -43,3 +43,16 @@ def test_baseline_warning_prints_its_delta_as_the_table_does():
     v = verdict(s)
     assert "differs from the reference by up to +1.00004%" in v, v
     assert "+1.00004%" in _cells(s)
+
+
+def test_least_damaging_names_what_it_was_picked_from_when_a_scheme_is_incomplete():
+    """A scheme within budget where measured but with a bucket missing is not a pass, so the failing scheme the
+    verdict then names was called "Least damaging quantized scheme" although the incomplete one did less damage."""
+    s = _summary({"k4": (4.0, [0.001, math.nan], None), "k2": (2.0, [0.5, 0.6], None)})
+    v = verdict(s)
+    assert "Not judged: **k4**" in v
+    assert "Least damaging quantized scheme" not in v, v
+    assert "Least damaging of the schemes above 1%: **k2**" in v, v
+    # without an incomplete scheme the failing pick is the least damaging of all, and says so
+    v = verdict(_summary({"k4": (4.0, [0.02, 0.03], None), "k2": (2.0, [0.5, 0.6], None)}))
+    assert "Least damaging quantized scheme: **k4**" in v, v

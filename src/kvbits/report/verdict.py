@@ -98,7 +98,10 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
                 bits += f" in the long run, {best.bits_at_context:.2f} at this {run.context:,}-token context"
         else:
             bits = "bits not recorded"
-        lead = "Best bits/quality trade-off" if passing else "Least damaging quantized scheme"
+        # with incomplete schemes (within the budget where measured) the pick among the failing ones is not the least
+        # damaging of all: say what it was picked from
+        lead = ("Best bits/quality trade-off" if passing else
+                f"Least damaging of the schemes above {thr}" if incomplete else "Least damaging quantized scheme")
         parts.append(
             f"{lead}: **{text(best.name)}**, {bits}, worst bucket {fmt_judged(best.max_delta, threshold)}, "
             f"overall {fmt_judged(best.delta, threshold)}."
