@@ -624,3 +624,17 @@ def test_lazy_check_after_a_crop_names_the_positions_of_the_kept_sequence():
     cache.update(bad, torch.randn(1, 2, 1, 32), 0)
     with pytest.raises(ValueError, match=r"key_states contain NaN .* update steps 4\.\.4 \(token positions 1\.\.1\)"):
         cache.check_inputs()
+
+
+def test_lazy_check_words_a_value_past_the_bound_as_the_bound_is_worded():
+    """A lazy check of keys reaching 65505 (past the float16 bound 65504) said "reach |x| = 6.55e+04 (K/V must be
+    finite with |x| <= 65504 ...)", which reads as within the bound; it now says 65505, as the eager check does."""
+    k, v = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+    k[0, 0, 3, 3] = 65505.0
+    for checks in ("eager", "lazy"):
+        cache = QuantizedKVCache(num_layers=1, scheme="kivi-2", checks=checks)
+        with pytest.raises(ValueError, match=r"layer 0 key_states (has|reach) \|x\| (up to|=) 65505\b.*65504") as err:
+            cache.update(k, v, 0)
+            cache.check_inputs()
+        assert "e+04" not in str(err.value)
+
