@@ -624,3 +624,48 @@ def test_lazy_check_after_a_crop_names_the_positions_of_the_kept_sequence():
     cache.update(bad, torch.randn(1, 2, 1, 32), 0)
     with pytest.raises(ValueError, match=r"key_states contain NaN .* update steps 4\.\.4 \(token positions 1\.\.1\)"):
         cache.check_inputs()
+
+
+def test_lazy_check_words_a_value_past_the_bound_as_the_bound_is_worded():
+    """A lazy check of keys reaching 65505 (past the float16 bound 65504) said "reach |x| = 6.55e+04 (K/V must be
+    finite with |x| <= 65504 ...)", which reads as within the bound; it now says 65505, as the eager check does."""
+    k, v = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+    k[0, 0, 3, 3] = 65505.0
+    for checks in ("eager", "lazy"):
+        cache = QuantizedKVCache(num_layers=1, scheme="kivi-2", checks=checks)
+        with pytest.raises(ValueError, match=r"layer 0 key_states (has|reach) \|x\| (up to|=) 65505\b.*65504") as err:
+            cache.update(k, v, 0)
+            cache.check_inputs()
+        assert "e+04" not in str(err.value)
+
+
+def test_reset_logs_a_failed_lazy_check_it_would_have_dropped(caplog):
+    """A NaN stored in a generation's last steps (after the last lazy check) was forgotten by ``reset()``: the pending
+    maxima were cleared unread, so the request's invalid outputs went unreported, where eager checks refuse the K/V.
+    ``reset()`` now runs the pending check and logs the failure (WARNING, naming the layer and steps); it does not
+    raise, and the cache serves the next request. Nothing pending, or a failure already raised: nothing logged."""
+    cache = QuantizedKVCache(num_layers=2, scheme="int4-token", checks="lazy", check_every=64)
+    for layer in range(2):
+        cache.update(torch.randn(1, 2, 4, 32), torch.randn(1, 2, 4, 32), layer)
+    cache.check_inputs()
+    for step in range(3):
+        for layer in range(2):
+            k = torch.randn(1, 2, 1, 32)
+            if step == 1 and layer == 1:
+                k[0, 1, 0, 5] = float("nan")
+            cache.update(k, torch.randn(1, 2, 1, 32), layer)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        cache.reset()
+    msgs = warnings_of(caplog, "reset()")
+    assert len(msgs) == 1 and "layer 1 key_states contain NaN" in msgs[0] and "update steps 1..3" in msgs[0], msgs
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        cache.update(torch.randn(1, 2, 4, 32), torch.randn(1, 2, 4, 32), 0)
+        cache.check_inputs()  # the next request is served and checked afresh
+        cache.reset()  # nothing failed: nothing logged
+        bad = torch.full((1, 2, 1, 32), float("inf"))
+        cache.update(bad, bad, 0)
+        with pytest.raises(ValueError, match="contain inf"):
+            cache.check_inputs()
+        cache.reset()  # the failure was raised already: not logged again
+    assert warnings_of(caplog) == []

@@ -701,7 +701,16 @@ class QuantizedKVCache(Cache):
         return cache_batch_size(self.layers)
 
     def reset(self) -> None:
-        """Empty every layer (and forget a failed lazy K/V check)."""
+        """Empty every layer (and forget a failed lazy K/V check). Lazy checks still pending (K/V of the steps
+        since the last check: a generation's last steps) run first, one host sync per device (none when nothing
+        is pending); bad K/V they find are logged (WARNING, naming the layer and steps) instead of being dropped
+        unseen with the layers, as eager checks would have refused them. ``reset()`` itself never raises for them."""
+        if self._input_error is None:  # an error already raised was seen: nothing new to say
+            try:
+                self.check_inputs()
+            except ValueError as exc:
+                logger.warning("QuantizedKVCache.reset(): the pending lazy K/V check failed: %s. The cache is emptied "
+                               "now; the outputs of the request just reset were computed from these K/V", exc)  # fmt: skip
         self._input_error = None
         self.position_ids_hint = None
         super().reset()
