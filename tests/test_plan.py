@@ -954,6 +954,9 @@ _ZAMBA2 = {"num_hidden_layers": 6, "layers_block_type": ["mamba", "hybrid"] * 3,
     "model_type, kwargs",
     [
         ("lfm2", {"num_hidden_layers": 6, "full_attn_idxs": [2, 5]}),
+        # LFM2-MoE: a dense MLP on the first num_dense_layers, experts after (was +1.36 % here)
+        ("lfm2_moe", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                      "num_experts": 4, "moe_intermediate_size": 96, "num_dense_layers": 1}),
         ("qwen3_next", {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4, "moe_intermediate_size": 96,
                         "shared_expert_intermediate_size": 160, "linear_num_value_heads": 4,
                         "linear_num_key_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 32}),
@@ -979,7 +982,8 @@ def test_param_estimate_of_hybrid_mixers(model_type, kwargs):
     +8.2 % and Zamba +38.2 % (a Llama layer counted on every layer; their shared blocks count once, or once per hybrid
     layer when transformers does not tie them: tie_word_embeddings=False). Now exact, and exact on the published
     sizes (LFM2-1.2B 1.170B, Bamba-9B 9.809B, Qwen3-Next-80B-A3B 79.67B, Zamba2-2.7B defaults 2.482B, Zamba-7B
-    defaults 7.232B)."""
+    defaults 7.232B, LFM2-8B-A1B 8.340B: the defaults with its 24 layers, attention on 2, 6, 10, 14, 18, 21 — it
+    was 8.957B, its num_dense_layers read as MoE layers)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -990,6 +994,16 @@ def test_param_estimate_of_hybrid_mixers(model_type, kwargs):
         model = AutoModelForCausalLM.from_config(cfg)
     real = sum(p.numel() for p in model.parameters())
     assert sum(estimate_params(cfg).values()) == real
+
+
+def test_param_estimate_of_lfm2_moe_published_size():
+    """LFM2-8B-A1B (transformers' Lfm2MoeConfig defaults with its 24 layers, attention on 2, 6, 10, 14, 18, 21):
+    8,339,929,856 parameters on the meta device; its two num_dense_layers were counted as MoE layers (8.957B)."""
+    from transformers import AutoConfig
+
+    types = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]
+    cfg = AutoConfig.for_model("lfm2_moe", num_hidden_layers=24, layer_types=types)
+    assert sum(estimate_params(cfg).values()) == 8_339_929_856
 
 
 # ------------------------------------------------------------------------------ planner = real cache

@@ -462,8 +462,8 @@ def _block_layers(text: Any, n_layers: int) -> list[LayerShape]:
 def _moe_layer(text: Any, index: int) -> bool:
     """Whether layer ``index`` of a mixture-of-experts config has experts (others have a dense MLP): Llama 4's
     ``moe_layers`` (or ``interleave_moe_layer_step``), Qwen2/3-MoE's ``mlp_only_layers`` and
-    ``decoder_sparse_step``, DeepSeek / GLM-4-MoE's ``first_k_dense_replace`` and ``moe_layer_freq``, Jamba's
-    ``expert_layer_period`` and ``expert_layer_offset``."""
+    ``decoder_sparse_step``, DeepSeek / GLM-4-MoE's ``first_k_dense_replace`` (LFM2-MoE / AFMoE:
+    ``num_dense_layers``) and ``moe_layer_freq``, Jamba's ``expert_layer_period`` and ``expert_layer_offset``."""
     moe_layers = _get(text, "moe_layers")
     if isinstance(moe_layers, Sequence) and not isinstance(moe_layers, (str, bytes)):
         return index in moe_layers
@@ -475,7 +475,7 @@ def _moe_layer(text: Any, index: int) -> bool:
         return False
     if index in (_get(text, "mlp_only_layers") or ()):
         return False
-    first = _int(_get(text, "first_k_dense_replace"), "first_k_dense_replace") or 0
+    first = _int(_get(text, "first_k_dense_replace", "num_dense_layers"), "first_k_dense_replace") or 0
     freq = _int(_get(text, "moe_layer_freq"), "moe_layer_freq") or 1
     return index >= first and index % freq == 0
 
