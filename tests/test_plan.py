@@ -831,7 +831,7 @@ def test_quantized_weights_need_weights_gib():
     from kvbits.plan.config import quantized_weights
 
     shape = load_shape(GPT_OSS_120B)
-    assert shape.weights_quantized == "mxfp4" and shape.n_params == 116_789_232_960
+    assert shape.weights_quantized == "mxfp4" and shape.n_params == 116_789_336_640  # o_proj biases: 36 x 2880
     r = plan(GPT_OSS_120B, context=32768, batch=8, gpu_mem_gib=80, weights_gib=61)
     assert r["weights_source"] == "given" and r["fits"] and r["max_concurrency"] > 8
     full = 18 * 2 * 8 * 64 * 2 * 8  # bytes per token of the 18 full layers at batch 8; the sliding ones keep 127
@@ -864,6 +864,12 @@ def test_quantized_weights_need_weights_gib():
         # KV heads set: the families' defaults (8) exceed the 4 query heads, which the planner refuses
         ("qwen3", {"head_dim": 48, "tie_word_embeddings": True, "num_key_value_heads": 2}, 0.0),
         ("mixtral", {"num_local_experts": 4, "num_key_value_heads": 4}, 0.0),
+        # attention_bias biases o_proj too (its h per layer was missed: -0.041 % on these two); GLM's and Seed-OSS's
+        # attention_bias stops at q/k/v (Seed-OSS: attention_out_bias), Qwen2's q/k/v biases are built in
+        ("llama", {"attention_bias": True, "num_key_value_heads": 2}, 0.0),
+        ("qwen3", {"head_dim": 32, "attention_bias": True, "num_key_value_heads": 2}, 0.0),
+        ("glm", {"attention_bias": True, "num_key_value_heads": 2, "pad_token_id": 0}, 0.0),
+        ("seed_oss", {"attention_bias": True, "attention_out_bias": False, "num_key_value_heads": 2}, 0.0),
         ("gpt2", {}, 0.01),  # MLP and LayerNorm biases are not counted
         ("opt", {}, 0.01),  # its learned positions: 2 rows more than max_position_embeddings
         ("gpt_neo", {}, 0.01),

@@ -112,6 +112,10 @@ _UNGATED_MLP = {
     "mpt", "codegen", "biogpt", "xglm",
 }  # fmt: skip
 
+# Architectures whose ``attention_bias`` sets only the q/k/v biases: their o_proj has none (Qwen2's q/k/v biases are
+# always on, with no o_proj bias). Elsewhere ``attention_bias`` biases o_proj too (Llama, Qwen3, OLMo, Gemma, ...).
+_QKV_ONLY_BIAS = ("qwen2", "glm", "helium", "mimo_v2", "solar_open")
+
 
 # ------------------------------------------------------------------------------ reading a config
 
@@ -675,6 +679,15 @@ def _nemotron_h_mlp(text: Any, h: int, inter: int, layer_type: str) -> int:
     return experts * 2 * (latent or h) * width + experts * h + 2 * h * shared + (2 * h * latent if latent else 0)
 
 
+def _out_proj_bias(text: Any, model_type: str) -> bool:
+    """Whether each attention layer's output projection has a bias: Seed-OSS's ``attention_out_bias``, else
+    ``attention_bias`` except on the :data:`_QKV_ONLY_BIAS` architectures (``qkv_bias`` never biases it)."""
+    out_bias = _get(text, "attention_out_bias")
+    if out_bias is not None:
+        return bool(out_bias)
+    return bool(_get(text, "attention_bias")) and not model_type.startswith(_QKV_ONLY_BIAS)
+
+
 def _learned_positions(text: Any, model_type: str) -> int:
     """Rows of a learned absolute-position table (``LEARNED_POSITIONS``, or a GPT-2-style dict without a
     ``model_type``; 0 for other models): :func:`max_positions`, OPT's plus the 2 rows it offsets by."""
@@ -890,7 +903,8 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         embeddings = V*h  (+ P*h learned positions: GPT-2 and GPT-BigCode ``n_positions``, GPT-Neo and OPT
                           ``max_position_embeddings``, OPT's + 2)
         attention  = sum over layers of  h*H_q*D (q) + 2*h*H_kv*D (k, v) + H_q*D*h (o)
-                     (+ q/k/v biases for Qwen2 or ``attention_bias``)
+                     (+ q/k/v biases for Qwen2 or ``attention_bias``, + the o_proj bias h where
+                     ``attention_bias`` covers it: :func:`_out_proj_bias`)
         mlp        = L * m*h*I,  m = 3 for gated MLPs (Llama, Mistral, Qwen, Gemma), 2 otherwise (GPT-2);
                      MoE: per layer with experts E*3*h*I_e + h*E router + 3*h*I_shared (shared experts), the
                      other layers a dense 3*h*I (Llama 4: ``intermediate_size_mlp``)
@@ -929,6 +943,7 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     embeddings = vocab * h
     embeddings += _learned_positions(text, model_type) * h
     qkv_bias = bool(_get(text, "attention_bias", "qkv_bias")) or model_type.startswith("qwen2")
+    out_bias = h if _out_proj_bias(text, model_type) else 0
     attention = 0
     mamba = _mamba_mixer_params(text, h)
     layer_types = _layer_type_names(text, n_layers)
@@ -949,6 +964,7 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         attention += (1 + q_factor) * h * hq * d + 2 * h * layer.kv_heads * d
         if qkv_bias:
             attention += q_factor * hq * d + 2 * layer.kv_heads * d
+        attention += out_bias
     inter = _int(
         _get(text, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"), "intermediate_size"
     )
