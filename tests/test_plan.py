@@ -831,7 +831,7 @@ def test_quantized_weights_need_weights_gib():
     from kvbits.plan.config import quantized_weights
 
     shape = load_shape(GPT_OSS_120B)
-    assert shape.weights_quantized == "mxfp4" and shape.n_params == 116_789_232_960
+    assert shape.weights_quantized == "mxfp4" and shape.n_params == 116_789_336_640  # o_proj biases: 36 x 2880
     r = plan(GPT_OSS_120B, context=32768, batch=8, gpu_mem_gib=80, weights_gib=61)
     assert r["weights_source"] == "given" and r["fits"] and r["max_concurrency"] > 8
     full = 18 * 2 * 8 * 64 * 2 * 8  # bytes per token of the 18 full layers at batch 8; the sliding ones keep 127
@@ -864,6 +864,12 @@ def test_quantized_weights_need_weights_gib():
         # KV heads set: the families' defaults (8) exceed the 4 query heads, which the planner refuses
         ("qwen3", {"head_dim": 48, "tie_word_embeddings": True, "num_key_value_heads": 2}, 0.0),
         ("mixtral", {"num_local_experts": 4, "num_key_value_heads": 4}, 0.0),
+        # attention_bias biases o_proj too (its h per layer was missed: -0.041 % on these two); GLM's and Seed-OSS's
+        # attention_bias stops at q/k/v (Seed-OSS: attention_out_bias), Qwen2's q/k/v biases are built in
+        ("llama", {"attention_bias": True, "num_key_value_heads": 2}, 0.0),
+        ("qwen3", {"head_dim": 32, "attention_bias": True, "num_key_value_heads": 2}, 0.0),
+        ("glm", {"attention_bias": True, "num_key_value_heads": 2, "pad_token_id": 0}, 0.0),
+        ("seed_oss", {"attention_bias": True, "attention_out_bias": False, "num_key_value_heads": 2}, 0.0),
         ("gpt2", {}, 0.01),  # MLP and LayerNorm biases are not counted
         ("opt", {}, 0.01),  # its learned positions: 2 rows more than max_position_embeddings
         ("gpt_neo", {}, 0.01),
@@ -954,6 +960,9 @@ _ZAMBA2 = {"num_hidden_layers": 6, "layers_block_type": ["mamba", "hybrid"] * 3,
     "model_type, kwargs",
     [
         ("lfm2", {"num_hidden_layers": 6, "full_attn_idxs": [2, 5]}),
+        # LFM2-MoE: a dense MLP on the first num_dense_layers, experts after (was +1.36 % here)
+        ("lfm2_moe", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                      "num_experts": 4, "moe_intermediate_size": 96, "num_dense_layers": 1}),
         ("qwen3_next", {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4, "moe_intermediate_size": 96,
                         "shared_expert_intermediate_size": 160, "linear_num_value_heads": 4,
                         "linear_num_key_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 32}),
@@ -979,7 +988,8 @@ def test_param_estimate_of_hybrid_mixers(model_type, kwargs):
     +8.2 % and Zamba +38.2 % (a Llama layer counted on every layer; their shared blocks count once, or once per hybrid
     layer when transformers does not tie them: tie_word_embeddings=False). Now exact, and exact on the published
     sizes (LFM2-1.2B 1.170B, Bamba-9B 9.809B, Qwen3-Next-80B-A3B 79.67B, Zamba2-2.7B defaults 2.482B, Zamba-7B
-    defaults 7.232B)."""
+    defaults 7.232B, LFM2-8B-A1B 8.340B: the defaults with its 24 layers, attention on 2, 6, 10, 14, 18, 21 — it
+    was 8.957B, its num_dense_layers read as MoE layers)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -990,6 +1000,16 @@ def test_param_estimate_of_hybrid_mixers(model_type, kwargs):
         model = AutoModelForCausalLM.from_config(cfg)
     real = sum(p.numel() for p in model.parameters())
     assert sum(estimate_params(cfg).values()) == real
+
+
+def test_param_estimate_of_lfm2_moe_published_size():
+    """LFM2-8B-A1B (transformers' Lfm2MoeConfig defaults with its 24 layers, attention on 2, 6, 10, 14, 18, 21):
+    8,339,929,856 parameters on the meta device; its two num_dense_layers were counted as MoE layers (8.957B)."""
+    from transformers import AutoConfig
+
+    types = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]
+    cfg = AutoConfig.for_model("lfm2_moe", num_hidden_layers=24, layer_types=types)
+    assert sum(estimate_params(cfg).values()) == 8_339_929_856
 
 
 # ------------------------------------------------------------------------------ planner = real cache

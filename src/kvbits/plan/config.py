@@ -112,6 +112,10 @@ _UNGATED_MLP = {
     "mpt", "codegen", "biogpt", "xglm",
 }  # fmt: skip
 
+# Architectures whose ``attention_bias`` sets only the q/k/v biases: their o_proj has none (Qwen2's q/k/v biases are
+# always on, with no o_proj bias). Elsewhere ``attention_bias`` biases o_proj too (Llama, Qwen3, OLMo, Gemma, ...).
+_QKV_ONLY_BIAS = ("qwen2", "glm", "helium", "mimo_v2", "solar_open")
+
 
 # ------------------------------------------------------------------------------ reading a config
 
@@ -462,8 +466,8 @@ def _block_layers(text: Any, n_layers: int) -> list[LayerShape]:
 def _moe_layer(text: Any, index: int) -> bool:
     """Whether layer ``index`` of a mixture-of-experts config has experts (others have a dense MLP): Llama 4's
     ``moe_layers`` (or ``interleave_moe_layer_step``), Qwen2/3-MoE's ``mlp_only_layers`` and
-    ``decoder_sparse_step``, DeepSeek / GLM-4-MoE's ``first_k_dense_replace`` and ``moe_layer_freq``, Jamba's
-    ``expert_layer_period`` and ``expert_layer_offset``."""
+    ``decoder_sparse_step``, DeepSeek / GLM-4-MoE's ``first_k_dense_replace`` (LFM2-MoE / AFMoE:
+    ``num_dense_layers``) and ``moe_layer_freq``, Jamba's ``expert_layer_period`` and ``expert_layer_offset``."""
     moe_layers = _get(text, "moe_layers")
     if isinstance(moe_layers, Sequence) and not isinstance(moe_layers, (str, bytes)):
         return index in moe_layers
@@ -475,7 +479,7 @@ def _moe_layer(text: Any, index: int) -> bool:
         return False
     if index in (_get(text, "mlp_only_layers") or ()):
         return False
-    first = _int(_get(text, "first_k_dense_replace"), "first_k_dense_replace") or 0
+    first = _int(_get(text, "first_k_dense_replace", "num_dense_layers"), "first_k_dense_replace") or 0
     freq = _int(_get(text, "moe_layer_freq"), "moe_layer_freq") or 1
     return index >= first and index % freq == 0
 
@@ -673,6 +677,15 @@ def _nemotron_h_mlp(text: Any, h: int, inter: int, layer_type: str) -> int:
     latent = _int(_get(text, "moe_latent_size"), "moe_latent_size")
     shared = _int(_get(text, "moe_shared_expert_intermediate_size"), "moe_shared_expert_intermediate_size") or 0
     return experts * 2 * (latent or h) * width + experts * h + 2 * h * shared + (2 * h * latent if latent else 0)
+
+
+def _out_proj_bias(text: Any, model_type: str) -> bool:
+    """Whether each attention layer's output projection has a bias: Seed-OSS's ``attention_out_bias``, else
+    ``attention_bias`` except on the :data:`_QKV_ONLY_BIAS` architectures (``qkv_bias`` never biases it)."""
+    out_bias = _get(text, "attention_out_bias")
+    if out_bias is not None:
+        return bool(out_bias)
+    return bool(_get(text, "attention_bias")) and not model_type.startswith(_QKV_ONLY_BIAS)
 
 
 def _learned_positions(text: Any, model_type: str) -> int:
@@ -890,7 +903,8 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         embeddings = V*h  (+ P*h learned positions: GPT-2 and GPT-BigCode ``n_positions``, GPT-Neo and OPT
                           ``max_position_embeddings``, OPT's + 2)
         attention  = sum over layers of  h*H_q*D (q) + 2*h*H_kv*D (k, v) + H_q*D*h (o)
-                     (+ q/k/v biases for Qwen2 or ``attention_bias``)
+                     (+ q/k/v biases for Qwen2 or ``attention_bias``, + the o_proj bias h where
+                     ``attention_bias`` covers it: :func:`_out_proj_bias`)
         mlp        = L * m*h*I,  m = 3 for gated MLPs (Llama, Mistral, Qwen, Gemma), 2 otherwise (GPT-2);
                      MoE: per layer with experts E*3*h*I_e + h*E router + 3*h*I_shared (shared experts), the
                      other layers a dense 3*h*I (Llama 4: ``intermediate_size_mlp``)
@@ -929,6 +943,7 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     embeddings = vocab * h
     embeddings += _learned_positions(text, model_type) * h
     qkv_bias = bool(_get(text, "attention_bias", "qkv_bias")) or model_type.startswith("qwen2")
+    out_bias = h if _out_proj_bias(text, model_type) else 0
     attention = 0
     mamba = _mamba_mixer_params(text, h)
     layer_types = _layer_type_names(text, n_layers)
@@ -949,6 +964,7 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         attention += (1 + q_factor) * h * hq * d + 2 * h * layer.kv_heads * d
         if qkv_bias:
             attention += q_factor * hq * d + 2 * layer.kv_heads * d
+        attention += out_bias
     inter = _int(
         _get(text, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"), "intermediate_size"
     )
