@@ -304,13 +304,19 @@ def _local_failure_worker(rank: int, world: int, init_file: str, work: str, case
             else:
                 (node / "model").mkdir()
             model = str(node / "model")
-        else:  # rank 1's node lacks the scheme file
+        elif case == "windows" and rank == 1:  # a torchrun script that passes a rank its own (wrong) argument
+            kwargs["windows"] = 0
+        elif case == "seed" and rank == 1:
+            kwargs["seed"] = -1
+        elif case == "fused_decode" and rank == 1:  # a stream-only setting on a simulate run
+            kwargs["fused_decode"] = True
+        elif case == "scheme_file":  # rank 1's node lacks the scheme file
             node.mkdir()
             if rank == 0:
                 (node / "scheme.json").write_text(json.dumps(get_scheme("int4-token").to_dict()))
             kwargs["schemes"] = [str(node / "scheme.json")]
-        try:  # a check that reads the rank's own disk fails there only
-            evaluate(model, _ids(3), CONTEXT, windows=3, attn_layers=[], **kwargs)
+        try:  # a check that reads the rank's own disk (or its own arguments) fails there only
+            evaluate(model, _ids(3), CONTEXT, **{"windows": 3, "attn_layers": [], **kwargs})
             outcome: tuple = ("ok",)
         except Exception as exc:  # noqa: BLE001 - every outcome goes back to the test
             outcome = ("error", type(exc).__name__, str(exc))
@@ -332,6 +338,10 @@ def _local_failure_worker(rank: int, world: int, init_file: str, work: str, case
         # the model folder was hashed (the run's identity) before any agreement step: rank 0 waited in check_same
         # for the collective timeout, then raised gloo's "Timed out waiting 20000ms"
         ("model_folder", "ValueError", "holds no config.json", "hashing its model and data files"),
+        # the argument checks ran before / between the agreement steps: rank 0 waited for the collective timeout
+        ("windows", "ValueError", "windows must be a positive int, got 0", "checking its arguments"),
+        ("seed", "ValueError", "seed must be an int >= 0, got -1", "checking its arguments"),
+        ("fused_decode", "ValueError", "fused_decode=True needs mode='stream'", "checking its arguments"),
     ],
 )
 def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path, case, error, said, phase):
@@ -514,3 +524,20 @@ def test_a_rendezvous_timeout_that_is_not_a_positive_number_is_refused(raw, monk
     assert rendezvous_timeout_s() == 90.0
     monkeypatch.delenv("KVBITS_RENDEZVOUS_TIMEOUT_S")
     assert rendezvous_timeout_s() == 600.0
+
+
+def test_a_keyboard_interrupt_leaves_the_rank_without_a_collective(monkeypatch):
+    """By choice (``kvbits.evaluate.distributed``'s docstring), ``Ranks.agree`` shares ``Exception`` only: a
+    ``KeyboardInterrupt`` on one rank leaves it at once instead of waiting in ``all_gather_object`` for the other ranks
+    to finish their phase; an ``Exception`` is gathered (then raised on every rank)."""
+    from kvbits.evaluate.distributed import Ranks
+
+    gathered: list = []
+    monkeypatch.setattr(Ranks, "gather", lambda self, obj: gathered.append(obj) or [obj, None])
+    ranks = Ranks(rank=0, world=2, backend="gloo")
+    with pytest.raises(KeyboardInterrupt), ranks.agree("evaluating its windows"):
+        raise KeyboardInterrupt
+    assert gathered == []
+    with pytest.raises(ValueError, match="bad"), ranks.agree("checking its arguments"):
+        raise ValueError("bad")
+    assert gathered == ["ValueError: bad"]

@@ -12,7 +12,12 @@ into ``0.0``). Counters and timings travel with ``all_gather_object``.
 Failures: each phase of the run ends with an agreement step (one ``all_gather_object`` of every
 rank's outcome), so an exception on one rank is raised on every rank (the failing rank raises its
 own, the others :class:`RankFailed`) instead of leaving them waiting in a collective. A rank that
-dies outright (killed, segfault) is not seen this way; ``torchrun`` stops the others then. Ranks given
+dies outright (killed, segfault) is not seen this way; ``torchrun`` stops the others then. Neither is a
+``KeyboardInterrupt`` (or ``SystemExit``) on one rank, by choice: sharing it would mean waiting in a collective
+until every other rank finished its phase (hours for a rank mid-window), so the interrupted rank leaves at once and
+the others are stopped as for a rank that died (``torchrun`` stops them; Ctrl-C under ``torchrun`` reaches every
+rank anyway). The argument checks run inside agreement steps too: a rank given a bad argument of its own raises it,
+the others :class:`RankFailed` ("failed while checking its arguments"). Ranks given
 different runs (arguments, token ids, weights or text content; a rank's own ``device`` and ``data_path``
 aside) are refused on every rank before any window (:meth:`Ranks.check_same`), not combined.
 
@@ -124,7 +129,8 @@ class Ranks:
     @contextmanager
     def agree(self, what: str) -> Iterator[None]:
         """Run the ``with`` body on every rank, then compare outcomes: an exception on any rank is
-        raised on all of them (its own on the failing rank, :class:`RankFailed` elsewhere)."""
+        raised on all of them (its own on the failing rank, :class:`RankFailed` elsewhere). ``Exception`` only:
+        a ``KeyboardInterrupt`` / ``SystemExit`` leaves this rank at once, without a collective (module docstring)."""
         if not self.active:
             yield
             return

@@ -289,41 +289,46 @@ def evaluate(
         over the run (its peak counter is reset once the model is loaded; it counts the weights and
         what the run adds, not the loading) on CUDA, None otherwise.
     """
-    check_model_arg(model, "evaluate")
-    data = check_data_arg(data)  # a NumPy array or a path was refused only once the model had loaded
     ranks = resolve_ranks(distributed)
-    generate = check_generate(generate)
-    seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
-    # simulate() refused a bad one only after the model loaded and the first reference pass ran
-    chunk_size = check_int("chunk_size", chunk_size, 1)
+    # the argument checks run inside agreement steps too: a torchrun script that passes a rank its own (wrong)
+    # argument raised on that rank only, and the others waited in the next collective for the collective timeout
+    # (24 h under kvbits eval); now every rank raises at once (alone: the same errors as before)
+    with ranks.agree("checking its arguments"):
+        check_model_arg(model, "evaluate")
+        data = check_data_arg(data)  # a NumPy array or a path was refused only once the model had loaded
+        generate = check_generate(generate)
+        seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
+        # simulate() refused a bad one only after the model loaded and the first reference pass ran
+        chunk_size = check_int("chunk_size", chunk_size, 1)
     # a scheme JSON path is read from this rank's own disk: a file missing on one node only would leave the other
     # ranks waiting in the next collective for the collective timeout (24 h under kvbits eval)
     with ranks.agree("reading its scheme files"):
         resolved = resolve_schemes(schemes)
-    # numpy's ints, as check_int takes them: prompt_len was refused as out of range, context and windows as not ints
-    # ("context must be an int >= 2, got np.int64(32)"); as Python ints they also hash as the same run
-    context, windows, prompt_len = (int(x) if isinstance(x, np.integer) else x for x in (context, windows, prompt_len))
-    _check_args(context, windows, mode, semantics, prompt_len, resolved)
-    if attn_layers is not None:  # int(0.7) would have measured layer 0 without a word
-        attn_layers = check_layer_indices("attn_layers", attn_layers)
-    if mode == "stream" and attn_layers:
-        raise ValueError(
-            f"attn_layers={list(attn_layers)} needs mode='simulate': the attention-output error compares the "
-            "simulator's exact and quantized attention, which mode='stream' (--mode stream) does not run; "
-            "leave attn_layers unset or [] (CLI: no --attn-layers)"
-        )
-    if mode != "stream" and fused_decode != "auto":
-        raise ValueError(
-            f"fused_decode={fused_decode!r} needs mode='stream': mode={mode!r} never decodes through the "
-            "cache, so the setting would be ignored; leave it 'auto' (CLI: no --fused-decode) or use "
-            "--mode stream"
-        )
-    if mode == "stream" and chunk_size != _DEFAULT_CHUNK:
-        raise ValueError(
-            f"chunk_size={chunk_size} needs mode='simulate': it sets the simulator's queries per attention chunk, "
-            "and mode='stream' decodes token by token through the cache, so the setting would be ignored; leave it "
-            f"at {_DEFAULT_CHUNK} (CLI: no --chunk-size) or use --mode simulate"
-        )
+    with ranks.agree("checking its arguments"):
+        # numpy's ints, as check_int takes them: prompt_len was refused as out of range, context and windows as not ints
+        # ("context must be an int >= 2, got np.int64(32)"); as Python ints they also hash as the same run
+        context, windows, prompt_len = (int(x) if isinstance(x, np.integer) else x for x in (context, windows, prompt_len))
+        _check_args(context, windows, mode, semantics, prompt_len, resolved)
+        if attn_layers is not None:  # int(0.7) would have measured layer 0 without a word
+            attn_layers = check_layer_indices("attn_layers", attn_layers)
+        if mode == "stream" and attn_layers:
+            raise ValueError(
+                f"attn_layers={list(attn_layers)} needs mode='simulate': the attention-output error compares the "
+                "simulator's exact and quantized attention, which mode='stream' (--mode stream) does not run; "
+                "leave attn_layers unset or [] (CLI: no --attn-layers)"
+            )
+        if mode != "stream" and fused_decode != "auto":
+            raise ValueError(
+                f"fused_decode={fused_decode!r} needs mode='stream': mode={mode!r} never decodes through the "
+                "cache, so the setting would be ignored; leave it 'auto' (CLI: no --fused-decode) or use "
+                "--mode stream"
+            )
+        if mode == "stream" and chunk_size != _DEFAULT_CHUNK:
+            raise ValueError(
+                f"chunk_size={chunk_size} needs mode='simulate': it sets the simulator's queries per attention chunk, "
+                "and mode='stream' decodes token by token through the cache, so the setting would be ignored; leave it "
+                f"at {_DEFAULT_CHUNK} (CLI: no --chunk-size) or use --mode simulate"
+            )
     # what each rank reads from its own node (data_path, calibration files, its GPU) may fail on one rank only: agreed
     # on, or the others would wait in the next collective for the collective timeout (24 h under kvbits eval)
     with ranks.agree("checking its data path, calibrations and device"):
