@@ -537,15 +537,26 @@ def _mamba2_mixer_params(text: Any, h: int, model_type: str) -> int:
     state = _int(_get(text, "mamba_d_state", "ssm_state_size"), "mamba_d_state") or 0
     groups = _int(_get(text, "mamba_n_groups", "n_groups"), "mamba_n_groups") or 1
     conv = _int(_get(text, "mamba_d_conv", "conv_kernel"), "mamba_d_conv") or 4
-    channels = inner + 2 * groups * state
     in_bias = bool(_get(text, "mamba_proj_bias", "use_bias"))
     out_bias = bool(_get(text, "projectors_bias")) if model_type == "falcon_h1" else in_bias
-    conv_bias = channels if _get(text, "mamba_conv_bias", "use_conv_bias", default=True) else 0
-    norm = inner if model_type != "falcon_h1" or _get(text, "mamba_rms_norm") else 0
+    conv_bias = bool(_get(text, "mamba_conv_bias", "use_conv_bias", default=True))
+    norm = model_type != "falcon_h1" or bool(_get(text, "mamba_rms_norm"))
+    return _mamba2_layout(h, inner, heads, groups, state, conv, conv_bias, norm, in_bias, out_bias)
+
+
+def _mamba2_layout(
+    h: int, inner: int, heads: int, groups: int, state: int, conv: int,
+    conv_bias: bool, norm: bool, in_bias: bool, out_bias: bool,
+) -> int:  # fmt: skip
+    """The Mamba-2 mixer count :func:`_mamba2_mixer_params` and :func:`_zamba2_mixer_params` share, once their
+    fields are read: ``X = E + 2*G*N`` conv channels, ``in_proj`` ``h*(E + X + M)`` (+ its bias), ``conv1d``
+    ``X*C`` (+ ``X``), ``3*M``, the gated norm ``E`` (when ``norm``), ``out_proj`` ``E*h`` (+ ``h``)."""
+    channels = inner + 2 * groups * state
     in_proj = inner + channels + heads
     return (
-        h * in_proj + in_proj * in_bias + channels * conv + conv_bias + 3 * heads + norm + inner * h + h * out_bias
-    )
+        h * in_proj + in_proj * in_bias + channels * conv + channels * conv_bias + 3 * heads + inner * norm
+        + inner * h + h * out_bias
+    )  # fmt: skip
 
 
 def _zamba2_mixer_params(text: Any, h: int) -> int:
@@ -559,10 +570,8 @@ def _zamba2_mixer_params(text: Any, h: int) -> int:
     state = _int(_get(text, "mamba_d_state"), "mamba_d_state") or 0
     groups = _int(_get(text, "mamba_ngroups"), "mamba_ngroups") or 1
     conv = _int(_get(text, "mamba_d_conv"), "mamba_d_conv") or 4
-    channels = inner + 2 * groups * state
-    in_proj = inner + channels + heads
-    bias = in_proj + h if _get(text, "add_bias_linear") else 0
-    return h * in_proj + channels * conv + channels + 3 * heads + inner + inner * h + bias
+    bias = bool(_get(text, "add_bias_linear"))
+    return _mamba2_layout(h, inner, heads, groups, state, conv, True, True, bias, bias)
 
 
 def _zamba_params(
