@@ -11,20 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from _model_commands import COMMANDS, command_args
 
 from kvbits import cli
 from kvbits._argtypes import on_device
 from kvbits.evaluate.models import source
-
-COMMANDS = {
-    "eval": ["--data", "wikitext2", "--scheme", "kivi-2"],
-    "speed": ["--context", "1k", "--scheme", "kivi-2"],
-    "calibrate": ["--data", "wikitext2", "--scheme", "kvquant-4"],  # --out: tmp_path
-    "analyze": ["--data", "wikitext2"],
-    "monitor": ["--data", "wikitext2", "--scheme", "kivi-2"],
-    "needle": ["--context", "1k", "--scheme", "kivi-2"],
-    "tune": ["--data", "wikitext2", "--candidates", "kivi-2", "--candidates", "kivi-4", "--budget-bits", "3"],
-}
 
 
 class _Looked(Exception):
@@ -99,9 +90,9 @@ def test_each_command_looks_its_model_up_with_its_cuda_device_current(
         raise _Looked(spec)
 
     monkeypatch.setattr(source, "fetch_offline_model", looked)
-    extra = ["--out", str(tmp_path / "cal")] if command == "calibrate" else []
+    args = command_args(command, tmp_path)
     for device, expected in (("cuda:1", 1), ("cpu", None)):
         with pytest.raises(_Looked):
-            cli.main([command, "--model", "smollm2-135m", *COMMANDS[command], *extra, "--device", device])
+            cli.main([command, "--model", "smollm2-135m", *args, "--device", device])
         assert seen[-1] == expected, (command, device)
     assert recorder.current is None  # left on the way out

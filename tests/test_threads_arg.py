@@ -8,20 +8,12 @@ import argparse
 
 import pytest
 import torch
+from _model_commands import COMMANDS, command_args
 
 from kvbits import cli
 from kvbits._argtypes import THREADS_HELP, apply_threads
 
 MODEL = "/nonexistent/kvbits-threads-test-model"  # never loaded: the thread setting stops each run first
-COMMANDS = {
-    "eval": ["--data", "wikitext2", "--scheme", "kivi-2"],
-    "speed": ["--context", "1k", "--scheme", "kivi-2"],
-    "calibrate": ["--data", "wikitext2", "--scheme", "kvquant-4"],  # --out: tmp_path
-    "analyze": ["--data", "wikitext2"],
-    "monitor": ["--data", "wikitext2", "--scheme", "kivi-2"],
-    "needle": ["--context", "1k", "--scheme", "kivi-2"],
-    "tune": ["--data", "wikitext2", "--candidates", "kivi-2,kivi-4", "--budget-bits", "3"],
-}
 
 
 class _Set(Exception):
@@ -60,9 +52,8 @@ def test_threads_reaches_torch_before_the_model_loads(
         raise _Set(n)
 
     monkeypatch.setattr(torch, "set_num_threads", stop)
-    extra = ["--out", str(tmp_path / "cal")] if command == "calibrate" else []
     with pytest.raises(_Set) as caught:
-        cli.main([command, "--model", MODEL, *COMMANDS[command], *extra, "--threads", "3"])
+        cli.main([command, "--model", MODEL, *command_args(command, tmp_path), "--threads", "3"])
     assert caught.value.args == (3,)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._json import is_number
 from kvbits.plan.config import text_config
 
 __all__ = [
@@ -64,11 +65,6 @@ def logits_chunk_size(vocab_size: int, budget_elements: int = 1 << 24) -> int:
 _MULTIPLY_LOGITS_SCALING = frozenset({"hyperclovax"})
 
 
-def _number(x: Any) -> bool:
-    """``x`` is a real int or float (not a bool, not None)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 @dataclass(frozen=True)
 class LogitHead:
     """Final hidden states ``(N, hidden)`` -> float32 logits ``(N, vocab)`` as the model's forward
@@ -105,15 +101,15 @@ class LogitHead:
         cfg = text_config(model.config)  # the decoder's, as everything else in kvbits reads it
         scale = 1.0
         cohere = getattr(model, "logit_scale", None)  # CohereForCausalLM & co: logits * self.logit_scale
-        if _number(cohere):
+        if is_number(cohere):
             scale *= float(cohere)
         granite = getattr(cfg, "logits_scaling", None)  # Granite family: logits / config.logits_scaling
-        if _number(granite) and granite:
+        if is_number(granite) and granite:
             # HyperCLOVAX multiplies by it (MuP), where Granite divides: dividing was off by logits_scaling ** 2
             multiplies = getattr(cfg, "model_type", None) in _MULTIPLY_LOGITS_SCALING
             scale = scale * float(granite) if multiplies else scale / float(granite)
         falcon = getattr(cfg, "lm_head_multiplier", None)  # Falcon-H1: logits * config.lm_head_multiplier
-        if _number(falcon):
+        if is_number(falcon):
             scale *= float(falcon)
         softcap = getattr(cfg, "final_logit_softcapping", None)
         return cls(proj, scale, float(softcap) if softcap else None)
