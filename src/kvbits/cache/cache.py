@@ -33,7 +33,7 @@ from kvbits.cache import checks as kv_checks
 from kvbits.cache.eager import run_eagerly
 from kvbits.cache.fixed import calibrated_length, install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
-from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class, map_state_batch
+from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class, repeat_state_batch, select_state_batch
 from kvbits.cache.layer import (
     QuantizedKVLayer,
     cache_batch_size,
@@ -752,7 +752,7 @@ class QuantizedKVCache(Cache):
         such method: ``AttributeError``, and a ``hybrid`` layer repeated its K/V alone)."""
         for layer in self.layers:
             if _is_state_layer(layer):
-                map_state_batch(layer, lambda t: t.repeat_interleave(repeats, dim=0))
+                repeat_state_batch(layer, repeats)
             else:
                 layer.batch_repeat_interleave(repeats)
 
@@ -761,7 +761,7 @@ class QuantizedKVCache(Cache):
         ``batch_repeat_interleave``."""
         for layer in self.layers:
             if _is_state_layer(layer):
-                map_state_batch(layer, lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices, ...])
+                select_state_batch(layer, indices)
             else:
                 layer.batch_select_indices(indices)
 

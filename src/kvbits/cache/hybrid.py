@@ -19,7 +19,10 @@ from transformers import cache_utils
 
 from kvbits.cache.layer import QuantizedKVLayer
 
-__all__ = ["HYBRID_TYPES", "LinearStateAPI", "QuantizedHybridLayer", "hybrid_layer_class", "map_state_batch"]
+__all__ = [
+    "HYBRID_TYPES", "LinearStateAPI", "QuantizedHybridLayer", "hybrid_layer_class", "map_state_batch",
+    "repeat_state_batch", "select_state_batch",
+]
 
 # config layer types of a layer that attends (full attention) and keeps a linear state
 HYBRID_TYPES = ("hybrid",)
@@ -44,6 +47,16 @@ def map_state_batch(linear: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> 
     history = getattr(linear, "recurrent_states_history", None)
     for i, past in (history or {}).items():
         history[i] = [fn(t) for t in past]
+
+
+def repeat_state_batch(linear: Any, repeats: int) -> None:
+    """``map_state_batch`` of ``batch_repeat_interleave``: each row's states ``repeats`` times."""
+    map_state_batch(linear, lambda t: t.repeat_interleave(repeats, dim=0))
+
+
+def select_state_batch(linear: Any, indices: torch.Tensor) -> None:
+    """``map_state_batch`` of ``batch_select_indices``: the rows ``indices`` (a tensor moved to each state's device)."""
+    map_state_batch(linear, lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices, ...])
 
 
 class LinearStateAPI:
@@ -140,12 +153,12 @@ class QuantizedHybridLayer(LinearStateAPI, QuantizedKVLayer, *(() if _Mixin is N
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Both parts (the K/V's alone left the state with the old batch: K/V rows and states misaligned)."""
         QuantizedKVLayer.batch_repeat_interleave(self, repeats)
-        map_state_batch(self.linear, lambda t: t.repeat_interleave(repeats, dim=0))
+        repeat_state_batch(self.linear, repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Both parts, as ``batch_repeat_interleave``."""
         QuantizedKVLayer.batch_select_indices(self, indices)
-        map_state_batch(self.linear, lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices, ...])
+        select_state_batch(self.linear, indices)
 
     def __repr__(self) -> str:
         return "QuantizedHybridLayer(" + QuantizedKVLayer.__repr__(self).split("(", 1)[1]

@@ -1482,8 +1482,8 @@ class StaticQuantizedKVCache(Cache):
 
         artifact = checked_artifact(artifact, self.scheme, self._config, len(self.layers))
         self.calibration = artifact  # calibration_report's max_calibrated_length
-        longest = getattr(artifact, "max_calibrated_length", None)
-        if longest is not None and self._max_len > int(longest) and "length" not in artifact.logged:
+        longest = calibrated_length(artifact)
+        if longest is not None and self._max_len > longest and "length" not in artifact.logged:
             artifact.logged.add("length")  # once per artifact, as QuantizedKVCache says it
             from kvbits.report.calibration import cover_advice
 
@@ -1492,7 +1492,7 @@ class StaticQuantizedKVCache(Cache):
                 "calibration artifact was calibrated on (max_calibrated_length): they would be served with statistics "
                 "extrapolated from shorter contexts (calibration_report() counts what saturates). Replayed steps are not seen by "
                 "the host, so this is said here, once per artifact. %s",
-                self.scheme.name, self._max_len, int(longest), cover_advice(self._max_len),
+                self.scheme.name, self._max_len, longest, cover_advice(self._max_len),
             )  # fmt: skip
         for layer in self.kv_layers:
             install_artifact(layer, artifact, check_heads=self._config is None)
