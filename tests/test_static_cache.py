@@ -11,6 +11,8 @@ That one recorded step replays correctly is ``tests/test_aot.py``'s replay test.
 from __future__ import annotations
 
 import logging
+import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -1514,3 +1516,59 @@ def test_static_cache_calibration_report_reads_each_layer_back_once_per_counter(
     assert len(reads) == cfg.num_hidden_layers, reads
     assert report["layers"][0] == {"layer": 0, "clipped_keys": 0, "clipped_values": 0, "quantized_keys": 5 * H * D,
                                    "quantized_values": 5 * H * D, "max_position": 4}  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 1e5])
+def test_reset_logs_the_unread_lazy_checks_of_the_request_it_ends(caplog, bad: float):
+    """``reset()`` zeroed the lazy checks' maxima unread: a NaN or ``|x|`` past the float16 bound written by a
+    request's last (decode) step was never reported by anything. Now ``reset()`` reads them first (one host sync) and
+    logs a WARNING naming the layer, as ``QuantizedKVCache.reset()`` does; a failure ``check_inputs()`` already raised
+    is not logged again, and the next request starts clean."""
+    model = build("llama")
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=PROMPT + 4, checks="lazy")
+    ids, kw = prompt(1), cache_kwargs(cache, model)
+
+    def poison(module, args, out):  # the decode step's keys (every channel: RoPE keeps some |x| >= 1e5)
+        return torch.full_like(out, bad)
+
+    with torch.no_grad():
+        model(ids, **kw, use_cache=True)
+        hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(poison)
+        try:
+            model(ids[:, :1], **kw, use_cache=True)
+        finally:
+            hook.remove()
+        held = "NaN or inf" if math.isnan(bad) else r"\|x\| up to 1\d{5}(\.\d+)? \(bound 65504\)"
+        with caplog.at_level(logging.WARNING, logger="kvbits.cache.static"):
+            cache.reset()
+        failed = [r.getMessage() for r in caplog.records if "pending lazy K/V check failed" in r.getMessage()]
+        assert len(failed) == 1 and re.search(f"layer 1: keys written to the cache held {held}", failed[0]), failed
+        assert "layer 0" not in failed[0]
+        cache.check_inputs()  # the maxima were zeroed in place after the read
+        model(ids, **kw, use_cache=True)
+        cache.check_inputs()
+        hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(poison)
+        try:
+            model(ids[:, :1], **kw, use_cache=True)
+        finally:
+            hook.remove()
+        with pytest.raises(ValueError, match="layer 1: keys written"):
+            cache.check_inputs()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvbits.cache.static"):
+            cache.reset()  # already raised: not said twice
+        assert not [r for r in caplog.records if "pending lazy K/V check failed" in r.getMessage()]
+
+
+def test_static_lazy_check_message_tells_a_value_just_past_the_bound_from_it():
+    """The static cache's lazy check wrote magnitudes with 4 digits: 65505 against the float16 bound 65504 read
+    "|x| up to 6.55e+04 (bound 6.55e+04)", which reads as within it; the dynamic cache and the eager checks write 6
+    (``kvbits.cache.checks.fmt_x``, now shared)."""
+    k = torch.randn(1, 2, 3, 32)
+    big = k.clone()
+    big[0, 0, 0, 0] = 65505.0
+    cache = StaticQuantizedKVCache(num_layers=2, max_cache_len=8, checks="lazy")
+    cache.update(big, k, 0)
+    cache.update(k, big * 2, 1)
+    with pytest.raises(ValueError, match=r"layer 0: keys .*\|x\| up to 65505 \(bound 65504\).*\[also failed: layers 1\]"):
+        cache.check_inputs()

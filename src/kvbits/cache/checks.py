@@ -67,6 +67,7 @@ __all__ = [
     "check_incoming",
     "check_mode",
     "check_now",
+    "fmt_x",
     "input_bound",
     "run_checks",
     "validate",
@@ -82,6 +83,12 @@ MAX_ROWS = 64
 # QuantizedKVCache logs (once) a layer clipping more than CLIP_WARN_FRAC of its quantized keys or values against
 # static scales (imported above from kvbits.report.calibration, the calibration report's level)
 SIDES = ("key_states", "value_states")
+
+
+def fmt_x(x: float) -> str:
+    """A magnitude or bound in the K/V checks' messages (eager, lazy, both caches): 6 significant digits, so that
+    65505 past the float16 bound 65504 reads as past it (``.4g`` wrote both as ``6.55e+04``)."""
+    return f"{x:.6g}"
 
 
 def check_mode(mode: object) -> str:
@@ -235,7 +242,7 @@ class InputChecks:
             return None
         what = " and ".join(f"{side} {_what(a)}" for side, a, _ in bad)
         rules = {
-            "finite" + ("" if math.isinf(bound) else f" with |x| <= {bound:.6g}, {why}") for _, _, (bound, why) in bad
+            "finite" + ("" if math.isinf(bound) else f" with |x| <= {fmt_x(bound)}, {why}") for _, _, (bound, why) in bad
         }  # fmt: skip
         self.error = (
             f"{name} {what} (K/V must be {'; '.join(sorted(rules))}): they "
@@ -263,9 +270,9 @@ def check_now(
                 n_nan, n_inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
                 raise ValueError(f"{name} contains non-finite values ({n_nan} NaN, {n_inf} inf); refusing to store it")
             a = float(x.detach().abs().max())  # float64 past the float32 range: finite, but not as stored
-            raise ValueError(f"{name} has |x| up to {a:.6g}, beyond the float32 range; refusing to store it")
+            raise ValueError(f"{name} has |x| up to {fmt_x(a)}, beyond the float32 range; refusing to store it")
         if a > bound:
-            raise ValueError(f"{name} has |x| up to {a:.6g}, beyond {bound:.6g} ({why}); refusing to store it")
+            raise ValueError(f"{name} has |x| up to {fmt_x(a)}, beyond {fmt_x(bound)} ({why}); refusing to store it")
 
 
 def write_maxima(row: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
@@ -282,8 +289,7 @@ def write_maxima(row: torch.Tensor, key_states: torch.Tensor, value_states: torc
 def _what(amax: float) -> str:
     if math.isnan(amax):
         return "contain NaN"
-    # .6g, as the bound and the eager message: .4g wrote 65505 as "6.55e+04", which reads as within 65504
-    return "contain inf" if math.isinf(amax) else f"reach |x| = {amax:.6g}"
+    return "contain inf" if math.isinf(amax) else f"reach |x| = {fmt_x(amax)}"  # fmt_x: as the bound
 
 
 def _host_maxima(pending: list[torch.Tensor]) -> list[list[float]]:

@@ -107,10 +107,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbits.cache import fused
 from kvbits.cache.checks import (
+    _host_maxima,
     check_channel_groups,
     check_incoming,
     check_mode,
     check_now,
+    fmt_x,
     input_bound,
     write_maxima,
 )
@@ -966,20 +968,27 @@ class StaticQuantizedLayer(CacheLayerMixin):
         fixed += count(getattr(p, name) for p in slabs for name in ("codebook", "channel_mean", "channel_factor"))
         return {"quantized": quantized, "full": full, "fixed": fixed}
 
-    def read_checks(self) -> None:
-        """Read the lazy K/V checks (one host sync); ``ValueError`` naming the side. Eager layers: nothing, unless a
-        step was traced (``torch.compile``) or captured since their slabs were made (``host_counts`` off): those steps'
-        checks are lazy whatever the mode (``update``), and are read here too."""
-        if not self.is_initialized or (not self._lazy and self.host_counts):
-            return
-        k, v = (float(x) for x in self.maxima.tolist())
+    @property
+    def checks_to_read(self) -> bool:
+        """Whether ``maxima`` holds lazy K/V checks to read: a lazy layer's, or, once a step was traced
+        (``torch.compile``) or captured since the slabs were made (``host_counts`` off), an eager one's (those steps'
+        checks are lazy whatever the mode, ``update``)."""
+        return self.is_initialized and (self._lazy or not self.host_counts)
+
+    def check_failure(self, k: float, v: float) -> str | None:
+        """The error for the running maxima ``max |K|``, ``max |V|`` read back from ``maxima`` (host floats), or
+        ``None``: NaN / inf, or ``|x|`` past a side's bound (``fmt_x``: the dynamic cache's digits)."""
         for what, m, bound in (("keys", k, self._bounds[0]), ("values", v, self._bounds[1])):
             if not math.isfinite(m) or m > bound:
-                held = f"|x| up to {m:.4g}" if math.isfinite(m) else "NaN or inf"
-                raise ValueError(
-                    f"layer {self.layer_idx}: {what} written to the cache held {held} (bound {bound:.4g}): they were "
-                    "stored as unusable codes; reset() the cache"
-                )
+                held = f"|x| up to {fmt_x(m)}" if math.isfinite(m) else "NaN or inf"
+                return (f"layer {self.layer_idx}: {what} written to the cache held {held} (bound {fmt_x(bound)}): they "
+                        "were stored as unusable codes; reset() the cache")  # fmt: skip
+        return None
+
+    def read_checks(self) -> None:
+        """Read the lazy K/V checks (one host sync, when ``checks_to_read``); ``ValueError`` naming the side."""
+        if self.checks_to_read and (error := self.check_failure(*self.maxima.tolist())) is not None:
+            raise ValueError(error)
 
     def reset(self) -> None:
         """Back to no tokens, in place (the slabs keep their addresses, so a captured graph stays valid). The host's
@@ -1168,6 +1177,7 @@ class StaticQuantizedKVCache(Cache):
         # the layers holding K/V (StaticQuantizedLayer, hybrid ones too): what every cache-wide K/V method walks
         self.kv_layers: list[StaticQuantizedLayer] = [x for x in layers if isinstance(x, StaticQuantizedLayer)]
         self._fresh: list[bool] = []  # per layer, whether the current request allocated its slabs (_undo_request)
+        self._checks_raised = False  # check_inputs raised for the K/V held now (reset does not log it again)
         self.calibration: Any = None  # the installed artifact (install_calibration)
         if calibration is not None:
             self.install_calibration(calibration)
@@ -1375,10 +1385,35 @@ class StaticQuantizedKVCache(Cache):
         for layer in self.kv_layers:  # every layer holds as many tokens: the first refuses before any counts
             layer.count_replayed_step()
 
+    def _check_failures(self) -> list[str]:
+        """Read every layer's lazy K/V checks together (one host sync per device, none when no layer has any to read:
+        ``checks_to_read``): the errors of the layers that failed, in layer order."""
+        layers = [layer for layer in self.kv_layers if layer.checks_to_read]
+        maxima = _host_maxima([layer.maxima for layer in layers]) if layers else []
+        return [e for layer, m in zip(layers, maxima) if (e := layer.check_failure(*m)) is not None]
+
     def check_inputs(self) -> None:
-        """Read every layer's lazy K/V checks (a host sync); ``ValueError`` for NaN, inf or ``|x|`` past a bound."""
-        for layer in self.kv_layers:
-            layer.read_checks()
+        """Read every layer's lazy K/V checks (a host sync); ``ValueError`` for NaN, inf or ``|x|`` past a bound,
+        naming the first failed layer (and the others)."""
+        errors = self._check_failures()
+        if errors:
+            self._checks_raised = True  # seen by the caller: reset() does not log it again
+            more = ", ".join(e.split(":", 1)[0].removeprefix("layer ") for e in errors[1:])
+            raise ValueError(errors[0] + (f" [also failed: layers {more}]" if more else ""))
+
+    def reset(self) -> None:
+        """Back to no tokens in every layer, in place (``StaticQuantizedLayer.reset``: the slabs and check maxima keep
+        their addresses for captured steps). Lazy checks still unread (a request's last steps) are read first, one
+        host sync per device: bad K/V they find are logged (WARNING, naming the layers) instead of being zeroed
+        unseen, as ``QuantizedKVCache.reset()`` does; ``reset()`` itself never raises for them, and does not repeat
+        a failure ``check_inputs()`` (or a report) already raised."""
+        errors = [] if self._checks_raised else self._check_failures()
+        if errors:
+            logger.warning("StaticQuantizedKVCache.reset(): the pending lazy K/V check failed: %s. The cache is emptied "
+                           "now; the outputs of the request just reset were computed from these K/V",
+                           "; ".join(errors))  # fmt: skip
+        self._checks_raised = False
+        super().reset()
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes of the slabs (every reserved slot: what ``kvbits.plan`` counts at ``max_cache_len``, see the module
