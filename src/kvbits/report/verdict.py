@@ -6,7 +6,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, bucket_label, fmt_budget, fmt_judged, fmt_pct, fmt_pos
+from kvbits.report.fmt import (
+    DEFAULT_THRESHOLD,
+    _ok,
+    bucket_label,
+    fmt_budget,
+    fmt_ci_bound,
+    fmt_judged,
+    fmt_pos,
+)
 from kvbits.report.inline import text
 from kvbits.report.summary import RunSummary, SchemeResult, _bucket_at
 
@@ -80,7 +88,8 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         assert b is not None
         # the run's first bucket, not the scheme's: one that lacks 0–1K fails "at 1K–2K", not "already in the first"
         where = f"already in the first bucket, {b.label}" if (b.lo, b.hi) == spans[0] else f"at {b.label}"
-        ci = f", 95% CI {fmt_pct(b.ci[0])} to {fmt_pct(b.ci[1])}" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
+        # the bounds as the delta table prints them (two decimals past 100 % too, where fmt_pct prints one)
+        ci = f", 95% CI {fmt_ci_bound(b.ci[0])}% to {fmt_ci_bound(b.ci[1])}%" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
         holes = f"; no ΔPPL at {_unjudged_labels(r, spans)}" if _unjudged_labels(r, spans) else ""
         fails.append(f"**{text(r.name)}** {where} ({fmt_judged(b.delta, threshold)}{ci}{holes})")
     if fails:
