@@ -38,3 +38,25 @@ def test_ci_bound_formatter_is_the_tables():
         assert fmt_ci((lo, hi)) == f"[{fmt_ci_bound(lo)}, {fmt_ci_bound(hi)}]"
     assert fmt_ci_bound(-0.00001) == "+0.00"
     assert fmt_ci_bound(0.99996) == "+100.00"
+
+
+def test_verdict_flags_a_scheme_far_below_the_reference_beyond_its_ci():
+    """A quantized scheme 8 % below the unquantized reference with a CI wholly below zero (most often a broken
+    comparison: another baseline, other tokens, a bypassed cache) passed with no word of warning."""
+    v = verdict(_run([-0.08, -0.0205], [[-0.10, -0.06], [-0.03, -0.011]], name="int4-token"))
+    assert "**int4-token** stays within 1% ΔPPL" in v, v
+    assert ("Check: **int4-token** at 0–1K (-8.00%, 95% CI -10.00% to -6.00%) and 1K–2K (-2.05%, 95% CI -3.00% to "
+            "-1.10%) is more than 1% below the unquantized reference beyond the 95% CI.") in v, v
+    assert "judge by KL and top-1" in v
+
+
+def test_verdict_does_not_flag_a_gain_within_noise_or_the_budget():
+    """No flag for a gain whose CI reaches zero (noise), one within 1 % (however certain), or one without a CI."""
+    for deltas, cis in [
+        ([-0.03, -0.02], [[-0.06, 0.001], [-0.04, 0.0]]),  # CI reaches zero
+        ([-0.009, -0.0099], [[-0.0095, -0.0085], [-0.011, -0.009]]),  # certain but within 1 %
+        ([-0.05, -0.05], [None, None]),  # no CI: its noise is unknown
+        ([0.002, 0.004], [[0.0, 0.004], [0.001, 0.007]]),  # an ordinary pass
+    ]:
+        v = verdict(_run(deltas, cis))
+        assert "Check:" not in v, (deltas, v)

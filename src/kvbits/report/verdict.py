@@ -18,7 +18,14 @@ from kvbits.report.fmt import (
 from kvbits.report.inline import text
 from kvbits.report.summary import RunSummary, SchemeResult, _bucket_at
 
-__all__ = ["verdict"]
+__all__ = ["IMPLAUSIBLE_GAIN", "verdict"]
+
+IMPLAUSIBLE_GAIN = 0.01
+"""A quantized scheme's bucket ΔPPL below ``-IMPLAUSIBLE_GAIN`` (1 % lower perplexity than the unquantized reference)
+whose 95 % CI lies wholly below zero (the gain is larger than the CI's noise) is flagged in the verdict. Rounding
+the cache adds error to every attention read; a gain that large and that certain more often means a broken comparison
+(another baseline, other tokens, a cache that was bypassed) than a better cache. A bucket without a CI is not flagged:
+its noise is unknown. The 1 % is the default ΔPPL budget mirrored: a gain as large as the loss that fails a scheme."""
 
 
 def _join(names: list[str]) -> str:
@@ -41,6 +48,16 @@ def _incomplete(schemes: list[SchemeResult], thr: str, spans: list[tuple[int, in
         f"not {'a pass' if one else 'passes'}; {'it stays' if one else 'they stay'} within {thr} in the "
         f"buckets {'it has' if one else 'they have'}."
     )
+
+
+def _implausible(r: SchemeResult, threshold: float) -> list[str]:
+    """``1K–2K (-2.19%, 95% CI -4.06% to -0.40%)`` for each bucket of ``r`` below ``-IMPLAUSIBLE_GAIN`` with its
+    whole 95 % CI below zero, its ΔPPL printed as the delta table prints it against ``threshold``."""
+    return [
+        f"{b.label} ({fmt_judged(b.delta, threshold)}, 95% CI {fmt_ci_bound(b.ci[0])}% to {fmt_ci_bound(b.ci[1])}%)"
+        for b in r.buckets
+        if _ok(b.delta) and b.delta < -IMPLAUSIBLE_GAIN and _ok(b.ci[0]) and _ok(b.ci[1]) and b.ci[1] < 0
+    ]
 
 
 def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_THRESHOLD) -> str:
@@ -96,6 +113,14 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         parts.append(f"First bucket above {thr}: " + "; ".join(fails) + ".")
     if incomplete:
         parts.append(_incomplete(incomplete, thr, spans))
+    better = [f"**{text(r.name)}** at {_join(at)}" for r in judged if (at := _implausible(r, threshold))]
+    if better:
+        parts.append(
+            f"Check: {'; '.join(better)} {'is' if len(better) == 1 else 'are'} more than {fmt_budget(IMPLAUSIBLE_GAIN, sign=False)} "
+            "below the unquantized reference beyond the 95% CI. Quantizing the cache rarely lowers perplexity: check the "
+            "comparison (the reference pass, the same tokens, the cache in use); if it holds, this is noise of the "
+            "sampled text, judge by KL and top-1."
+        )
     ranked = passing or sorted(failing, key=lambda r: r.max_delta)[:1]
     with_bits = [r for r in ranked if _ok(r.avg_bits)]
     if with_bits or (ranked and not passing):  # the least damaging is named with or without its bits
