@@ -21,6 +21,7 @@ __all__ = [
     "bucket_label",
     "fmt_bytes",
     "fmt_ci",
+    "fmt_ci_bound",
     "fmt_end",
     "fmt_float",
     "fmt_float_sig",
@@ -121,13 +122,20 @@ def _signed(x: float, digits: int) -> str:
     return _fixed(x, f"+.{digits}f")
 
 
+def fmt_ci_bound(frac: float) -> str:
+    """One bound of a 95 % CI of a relative change (fraction) as percent without the ``%`` sign, always two decimals
+    (also past 100 %, where :func:`fmt_pct` drops to one): ``1.12345 -> '+112.35'``. The delta table's ``[lo, hi]``
+    and the verdict's "95% CI lo% to hi%" both print their bounds with it, so they never disagree."""
+    return _signed(frac * 100, 2)
+
+
 def fmt_ci(ci: tuple[float, float]) -> str:
-    """A 95 % CI of a relative change: ``[+0.10, +0.80]`` (percent), or '' when unknown. A bound that rounds to
-    zero prints as ``+0.00`` (a bound of -0.001 % printed as ``-0.00``)."""
+    """A 95 % CI of a relative change: ``[+0.10, +0.80]`` (percent, :func:`fmt_ci_bound`), or '' when unknown. A
+    bound that rounds to zero prints as ``+0.00`` (a bound of -0.001 % printed as ``-0.00``)."""
     lo, hi = ci
     if not (_ok(lo) and _ok(hi)):
         return ""
-    return f"[{_signed(lo * 100, 2)}, {_signed(hi * 100, 2)}]"
+    return f"[{fmt_ci_bound(lo)}, {fmt_ci_bound(hi)}]"
 
 
 def fmt_kl(x: float, *, signed: bool = False) -> str:

@@ -6,11 +6,26 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, bucket_label, fmt_budget, fmt_judged, fmt_pct, fmt_pos
+from kvbits.report.fmt import (
+    DEFAULT_THRESHOLD,
+    _ok,
+    bucket_label,
+    fmt_budget,
+    fmt_ci_bound,
+    fmt_judged,
+    fmt_pos,
+)
 from kvbits.report.inline import text
 from kvbits.report.summary import RunSummary, SchemeResult, _bucket_at
 
-__all__ = ["verdict"]
+__all__ = ["IMPLAUSIBLE_GAIN", "verdict"]
+
+IMPLAUSIBLE_GAIN = 0.01
+"""A quantized scheme's bucket ΔPPL below ``-IMPLAUSIBLE_GAIN`` (1 % lower perplexity than the unquantized reference)
+whose 95 % CI lies wholly below zero (the gain is larger than the CI's noise) is flagged in the verdict. Rounding
+the cache adds error to every attention read; a gain that large and that certain more often means a broken comparison
+(another baseline, other tokens, a cache that was bypassed) than a better cache. A bucket without a CI is not flagged:
+its noise is unknown. The 1 % is the default ΔPPL budget mirrored: a gain as large as the loss that fails a scheme."""
 
 
 def _join(names: list[str]) -> str:
@@ -33,6 +48,16 @@ def _incomplete(schemes: list[SchemeResult], thr: str, spans: list[tuple[int, in
         f"not {'a pass' if one else 'passes'}; {'it stays' if one else 'they stay'} within {thr} in the "
         f"buckets {'it has' if one else 'they have'}."
     )
+
+
+def _implausible(r: SchemeResult, threshold: float) -> list[str]:
+    """``1K–2K (-2.19%, 95% CI -4.06% to -0.40%)`` for each bucket of ``r`` below ``-IMPLAUSIBLE_GAIN`` with its
+    whole 95 % CI below zero, its ΔPPL printed as the delta table prints it against ``threshold``."""
+    return [
+        f"{b.label} ({fmt_judged(b.delta, threshold)}, 95% CI {fmt_ci_bound(b.ci[0])}% to {fmt_ci_bound(b.ci[1])}%)"
+        for b in r.buckets
+        if _ok(b.delta) and b.delta < -IMPLAUSIBLE_GAIN and _ok(b.ci[0]) and _ok(b.ci[1]) and b.ci[1] < 0
+    ]
 
 
 def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_THRESHOLD) -> str:
@@ -80,13 +105,22 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         assert b is not None
         # the run's first bucket, not the scheme's: one that lacks 0–1K fails "at 1K–2K", not "already in the first"
         where = f"already in the first bucket, {b.label}" if (b.lo, b.hi) == spans[0] else f"at {b.label}"
-        ci = f", 95% CI {fmt_pct(b.ci[0])} to {fmt_pct(b.ci[1])}" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
+        # the bounds as the delta table prints them (two decimals past 100 % too, where fmt_pct prints one)
+        ci = f", 95% CI {fmt_ci_bound(b.ci[0])}% to {fmt_ci_bound(b.ci[1])}%" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
         holes = f"; no ΔPPL at {_unjudged_labels(r, spans)}" if _unjudged_labels(r, spans) else ""
         fails.append(f"**{text(r.name)}** {where} ({fmt_judged(b.delta, threshold)}{ci}{holes})")
     if fails:
         parts.append(f"First bucket above {thr}: " + "; ".join(fails) + ".")
     if incomplete:
         parts.append(_incomplete(incomplete, thr, spans))
+    better = [f"**{text(r.name)}** at {_join(at)}" for r in judged if (at := _implausible(r, threshold))]
+    if better:
+        parts.append(
+            f"Check: {'; '.join(better)} {'is' if len(better) == 1 else 'are'} more than {fmt_budget(IMPLAUSIBLE_GAIN, sign=False)} "
+            "below the unquantized reference beyond the 95% CI. Quantizing the cache rarely lowers perplexity: check the "
+            "comparison (the reference pass, the same tokens, the cache in use); if it holds, this is noise of the "
+            "sampled text, judge by KL and top-1."
+        )
     ranked = passing or sorted(failing, key=lambda r: r.max_delta)[:1]
     with_bits = [r for r in ranked if _ok(r.avg_bits)]
     if with_bits or (ranked and not passing):  # the least damaging is named with or without its bits
