@@ -1054,3 +1054,32 @@ def test_a_refused_model_gets_no_post_rope_warning_first(caplog):
     with caplog.at_level(logging.WARNING, logger="kvbits"):
         analyze(glm, torch.randint(1, 64, (1, 8)), sample_tokens=8, channel_group=4)
     assert "no post-RoPE statistics" in caplog.text and "interleaved" in caplog.text
+
+
+def test_no_pre_rope_scheme_recommended_for_multimodal_rope(tmp_path, caplog):
+    """A Qwen2-VL model (multimodal RoPE: ``mrope_section``) whose keys have consistent outlier channels before RoPE
+    got ``int4-channel-prerope`` and ``int4-token-smooth-prerope`` from ``analyze`` (per-channel SQNR 62.0 dB pre vs
+    24.4 dB post in the review's reproducer), schemes the planner and both caches refuse for it. ``RotaryTables``
+    rotates its text tokens all the same, so the post-RoPE figures stay; the answer now names post-RoPE schemes,
+    says why (a warning too), and so does ``recommend()`` re-run on the saved rows."""
+    cfg = transformers.Qwen2VLConfig(
+        text_config={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "vocab_size": 128, "intermediate_size": 128, "max_position_embeddings": 256,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}},
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            layer.self_attn.k_proj.bias[::16] += 50  # one constant outlier channel per head: pre-RoPE keys win
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        res = analyze(model, torch.randint(0, 128, (2, 64)), sample_tokens=64, channel_group=16)
+    rec = res.recommendation
+    assert "multimodal RoPE" in caplog.text
+    assert rec["keys"] == "per-channel, post-RoPE" and rec["scheme"] == "int4-channel"
+    assert rec["calibrated_scheme"] is None and rec["per_token_scheme"] in (None, "int4-token-smooth")
+    assert "prerope" not in " ".join(rec["next_steps"]) and "multimodal RoPE" in rec["reason"]
+    assert all(r.get("key_post_rope") for r in res.to_dict()["layers"])  # text tokens: post-RoPE figures kept
+    rows = json.loads(res.save(tmp_path)["json"].read_text())["layers"]
+    assert recommend(rows, context=res.context, model=res.model, data=res.data) == rec

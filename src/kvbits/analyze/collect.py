@@ -132,6 +132,7 @@ class LayerAnalysis:
     value: TensorReport
     samples: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     keys_rotated_unseen: bool = False
+    pre_rope_refused: str | None = None  # why pre-RoPE keys do not run on this model (``pre_rope_problem``)
 
     def to_dict(self) -> dict[str, Any]:
         post = self.key_post_rope
@@ -141,6 +142,7 @@ class LayerAnalysis:
             # in the row, so that recommend() re-run on analysis.json's rows keeps its "before RoPE" caveat
             # (files written before it have no such key: read as False)
             "keys_rotated_unseen": self.keys_rotated_unseen,
+            "pre_rope_refused": self.pre_rope_refused,  # so too recommend()'s "no pre-RoPE scheme" on a re-run
             "key_outlier_channels_pre_rope": self.key_pre_rope.outliers,
             "key_outlier_channels_post_rope": post.outliers if post else None,  # None: not computed
             "value_outlier_channels": self.value.outliers,
@@ -238,6 +240,24 @@ def _rotary_tables(model: torch.nn.Module) -> tuple[Any, bool]:
         return None, not isinstance(exc, NotImplementedError)
 
 
+def _pre_rope_refused(model: torch.nn.Module) -> str | None:
+    """Why the planner and the caches refuse pre-RoPE keys for ``model`` (``kvbits.plan.positions.pre_rope_problem``
+    of its text config: multimodal RoPE, whose text tokens ``RotaryTables`` still rotates), logged once; else None."""
+    from kvbits.plan.config import text_config
+    from kvbits.plan.positions import pre_rope_problem
+
+    config = getattr(model, "config", None)
+    text = text_config(config) if config is not None else None
+    problem = pre_rope_problem(text) if text is not None else None
+    if problem is not None:
+        logger.warning(
+            "post-RoPE statistics of text tokens only; no pre-RoPE scheme is recommended: model_type %r %s",
+            getattr(text, "model_type", None), problem,
+        )
+        problem = f"(model_type {getattr(text, 'model_type', None)!r}) {problem}"
+    return problem
+
+
 def rotary_table_key(tables: Any) -> tuple[Any, ...]:
     """What ``tables.cos_sin`` depends on besides the positions: layers whose keys are equal get the same cos/sin
     (a Llama's every layer; Gemma 3's local layers share one pair and its global layers, with their own base, another).
@@ -311,6 +331,7 @@ def analyze(
     # _rotary_tables warns "no post-RoPE statistics" about it (DeepSeek-V3: rope_interleave), as if it would run
     sites = analysis_sites(model)
     tables, reproducible = _rotary_tables(model)
+    refused = _pre_rope_refused(model) if tables is not None else None
     from kvbits.calibrate.cache_capture import CacheKVCapture, CacheSite
 
     at_cache = isinstance(sites[0], CacheSite)  # a shared attention block: K/V read at cache.update
@@ -393,7 +414,8 @@ def analyze(
             samples = {k: v.sampled(n_blocks).cpu() for k, v in st.items() if v.count}
             samples["positions"] = st["key_pre_rope"].positions[:n_blocks].clone()
         rot = layer_tables[s.layer_idx].rot_dim if s.layer_idx in layer_tables else 0
-        layers.append(LayerAnalysis(s.layer_idx, rot, pre, post, val, samples, keys_rotated_unseen=not reproducible))
+        layers.append(LayerAnalysis(s.layer_idx, rot, pre, post, val, samples, keys_rotated_unseen=not reproducible,
+                                    pre_rope_refused=refused))  # fmt: skip
         del stats[s.layer_idx]  # drop this layer's accumulators before finalizing the next
     result = Analysis(
         model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint,

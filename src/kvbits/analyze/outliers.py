@@ -198,6 +198,7 @@ def recommend(
     data: str | None = None,
     context: int | None = None,
     keys_rotated_unseen: bool = False,
+    pre_rope_refused: str | None = None,
 ) -> dict[str, Any]:
     """The decision flow's answer from per-layer summaries (``Analysis.to_dict()["layers"]`` rows).
 
@@ -219,6 +220,10 @@ def recommend(
     the key figures are from before RoPE while the cache quantizes them after it; the reason says so. A row's own
     ``keys_rotated_unseen`` (as ``analysis.json`` writes it; absent in files written before it: False) counts too.
 
+    ``pre_rope_refused``: why the model can not cache its keys before RoPE although kvbits reproduces its RoPE on
+    text tokens (``kvbits.plan.positions.pre_rope_problem``: multimodal RoPE, Qwen2-VL / Qwen3.5 style), so no
+    pre-RoPE scheme is named (the planner and the caches refuse them); a row's own ``pre_rope_refused`` counts too.
+
     With outlier channels, ``per_token_scheme`` names the calibrated per-token alternative for deployments
     that need one scale per token (``int{bits}-token-smooth-prerope``), calibrated and verified beside.
     """
@@ -230,6 +235,8 @@ def recommend(
     check_threshold(threshold)
     n = len(layers)
     keys_rotated_unseen = keys_rotated_unseen or any(r.get("keys_rotated_unseen") is True for r in layers)
+    if pre_rope_refused is None:
+        pre_rope_refused = next((r["pre_rope_refused"] for r in layers if r.get("pre_rope_refused")), None)
     k_pre = [r["layer"] for r in layers if r["key_outlier_channels_pre_rope"]]
     k_post = [r["layer"] for r in layers if r["key_outlier_channels_post_rope"]]
     v_out = [r["layer"] for r in layers if r["value_outlier_channels"]]
@@ -270,7 +277,7 @@ def recommend(
     if frac > layer_fraction:
         # without post-RoPE statistics (no RoPE kvbits can apply: none, or interleaved pairs) no pre-RoPE scheme
         # runs on this model: keys are quantized as the model caches them
-        pre_better = has_post and not (post_ch > pre_ch)
+        pre_better = has_post and not (post_ch > pre_ch) and pre_rope_refused is None
         keys = "per-channel, pre-RoPE" if pre_better else "per-channel, post-RoPE" if has_post else "per-channel"
         candidates = (
             [f"int{bits}-channel-prerope", f"int{bits}-channel"] if pre_better else [f"int{bits}-channel"]
@@ -281,6 +288,11 @@ def recommend(
             reason += (
                 f"; before RoPE the channels are consistent (per-channel SQNR {_fmt_db(pre_ch)} pre vs "
                 f"{_fmt_db(post_ch)} post), so quantize keys before RoPE"
+            )
+        elif has_post and pre_rope_refused is not None:  # pre-RoPE keys would not run on this model
+            reason += (
+                f"; the model {pre_rope_refused}, so no pre-RoPE scheme (KVQuant's included) runs on it: quantize "
+                f"keys after RoPE (per-channel SQNR {_fmt_db(post_ch)} post vs {_fmt_db(pre_ch)} pre)"
             )
         elif has_post:  # the measured keys say after RoPE: no pre-RoPE scheme, calibrated or not, is named
             reason += (
