@@ -908,3 +908,19 @@ def test_plan_caption_names_each_scheme_beyond_max_position_once(capsys, tmp_pat
     caption = " ".join(capsys.readouterr().out.split())
     assert "max_position_embeddings (4,096) for fp16, kivi-2 " in caption, caption
     assert caption.count("kivi-2,") == 0 and "fp16, kivi-2, fp16" not in caption
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["table", "json"])
+def test_a_closed_stdout_ends_quietly_with_141(extra):
+    """`kvbits plan ... | head -1`: rich's broken-pipe handling exited 1 silently (a failure, for nothing), and
+    --json printed 'kvbits plan: error: [Errno 32] Broken pipe' and exited 1. Now: nothing on stderr, 141
+    (128 + SIGPIPE, what a shell reports for `cat` or `git log` cut short by `head`)."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: every write to stdout fails with EPIPE
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvbits", "plan", *WORKED, "--scheme", "fp16", *extra],
+                             stdout=write, stderr=subprocess.PIPE, text=True, env=env, check=False)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (141, "")  # cli.EXIT_BROKEN_PIPE

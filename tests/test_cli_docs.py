@@ -245,4 +245,13 @@ def test_readme_states_the_ctrl_c_exit_status_main_returns() -> None:
 
     text = " ".join(README.read_text().split())
     assert (f"Ctrl-C stops any of them with exit status {EXIT_INTERRUPTED} and one line on stderr "
-            "(`kvbits eval: interrupted`), no traceback.") in text  # fmt: skip
+            "(`kvbits eval: interrupted`), no traceback") in text  # fmt: skip
+
+
+def test_readme_states_the_closed_stdout_exit_status_main_returns() -> None:
+    """A closed stdout (`| head -1`) exits cli.EXIT_BROKEN_PIPE, quietly (test_cli.py runs it); the README says so."""
+    from kvbits.cli import EXIT_BROKEN_PIPE
+
+    text = " ".join(README.read_text().split())
+    assert (f"a stdout closed early (`kvbits plan ... | head -1`) ends it with exit status {EXIT_BROKEN_PIPE} "
+            "(128 + SIGPIPE, as `cat` would) and nothing on stderr.") in text  # fmt: skip

@@ -800,6 +800,18 @@ def test_speed_report_says_larger_for_a_cache_holding_more():
     assert _bytes_cell(base, base) == "45.88 MiB"
 
 
+def test_speed_report_says_about_the_same_size_within_half_a_percent():
+    """A StaticCache holding DynamicCache's bytes read "45.88 MiB (1.00x smaller)" (speed-smollm2-static's report),
+    and one 0.3 % larger "(1.00x larger)": a factor that rounds to 1.00 says nothing either way."""
+    from kvbits.report.speed import _bytes_cell
+
+    base = {"cache_bytes": 48107520}
+    assert _bytes_cell({"cache_bytes": 48107520}, base) == "45.88 MiB (the same size)"
+    assert _bytes_cell({"cache_bytes": 48251842}, base) == "46.02 MiB (about the same size)"  # 0.3 % larger
+    assert _bytes_cell({"cache_bytes": 47963197}, base) == "45.74 MiB (about the same size)"  # 0.3 % smaller
+    assert _bytes_cell({"cache_bytes": 48400000}, base) == "46.16 MiB (1.01x larger)"  # 0.6 %: a factor again
+
+
 def test_speed_report_ratio_counts_a_workspace():
     """A --workspace run's cell read "14.75 KiB (2.37x smaller) + workspace 35.00 KiB" (t-kivi against a 35.00 KiB
     DynamicCache): the cache held 49.75 KiB, 1.42x more than the baseline, as speed.png drew it. The factor is now of

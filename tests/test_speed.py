@@ -1039,6 +1039,25 @@ def test_cli_exits_non_zero_after_writing_a_run_with_failures(model, ids, tmp_pa
     assert json.loads((out / "speed.json").read_text())["runs"][1]["error"]["type"] == "OutOfMemoryError"
 
 
+def test_cli_says_how_many_runs_failed_once(model, ids, tmp_path, monkeypatch, capsys):
+    """`kvbits speed` with a failed run said 'N of M runs failed' twice: speed_eval's log line
+    ('kvbits: ERROR: speed: 1 of 2 runs failed: ...') and the command's closing line. Now once, the closing line
+    (after the report is written, with where the messages are); the failed run's own error line stays."""
+    from kvbits.cli import main
+    from kvbits.evaluate import speed
+
+    _raise_for(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"), "int4-token", 32)
+    real = speed.speed_eval
+    monkeypatch.setattr(speed, "speed_eval", lambda _model, contexts, schemes, **k: real(
+        model, contexts, schemes, **{**k, "data": ids, "tokens": 2, "warmup": 1, "progress": False}))
+    argv = ["speed", "--model", "m", "--context", "32", "--scheme", "int4-token", "--out", str(tmp_path / "out")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("runs failed") == 1, err
+    assert err.rstrip().splitlines()[-1].startswith("kvbits speed: 1 of 2 runs failed: int4-token at 32 x 1 (OutOf")
+    assert "speed int4-token: context 32, batch 1 failed: OutOfMemoryError" in err  # the run's own line
+
+
 def test_the_first_cell_prefill_is_warmed_up(model, ids, monkeypatch):
     """The first cell's prefill_seconds included the process's one-off set-up (0.011 s against 0.006 s for a later
     cell): an untimed short prefill runs before it, once."""

@@ -23,7 +23,8 @@ def fold_columns(table: Any) -> Any:
 
 def stdout_console() -> Console:
     """A rich console on stdout: a terminal's tables fit its width, folding (never cutting) a cell that does not
-    fit; a pipe's or a file's lines are as long as their content (tables are never squeezed)."""
+    fit; a pipe's or a file's lines are as long as their content (tables are never squeezed). A closed stdout
+    raises ``BrokenPipeError`` (rich would exit 1 silently) for :func:`kvbits.cli.main` to end quietly."""
     from rich.console import Console, RenderHook
     from rich.table import Table
 
@@ -34,8 +35,14 @@ def stdout_console() -> Console:
                     fold_columns(r)
             return renderables
 
-    console = Console()
+    class _PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own answer to a closed stdout (`kvbits plan | head -1`) is a silent `SystemExit(1)`, which
+            # reads as a failure; the command line's main() answers every closed stdout (rich's or print's) alike.
+            raise BrokenPipeError(32, "Broken pipe")
+
+    console = _PipeConsole()
     if not console.is_terminal:
-        console = Console(width=UNBOUNDED_WIDTH)
+        console = _PipeConsole(width=UNBOUNDED_WIDTH)
     console.push_render_hook(_FoldTables())
     return console

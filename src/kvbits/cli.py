@@ -30,6 +30,9 @@ logger = logging.getLogger("kvbits.cli")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
+# 128 + SIGPIPE: what a shell reports for `cat`, `git log` or `yes` whose reader (`| head -1`) closed early. Not 0:
+# the output was cut, and `set -o pipefail` scripts should know; not 1: nothing failed, and nothing is printed.
+EXIT_BROKEN_PIPE = 141
 
 
 @dataclass(frozen=True)
@@ -582,14 +585,34 @@ def quiet_library_progress() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 failure, 2 usage error: bad arguments or input,
-    a path given that does not exist; 130 interrupted with Ctrl-C, one line on stderr and no traceback)."""
+    a path given that does not exist; 130 interrupted with Ctrl-C, one line on stderr and no traceback; 141 stdout
+    closed early, ``kvbits plan ... | head -1``: nothing on stderr, as ``cat`` or ``git`` would)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _main(argv)
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows now, not in the interpreter's exit flush ("Exception ignored")
+        return status
     except KeyboardInterrupt:
         command = requested_command(argv)
         print(f"kvbits{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's file descriptor at the null device, so that what is still buffered for a closed pipe is
+    dropped at exit without another ``BrokenPipeError`` (the recipe of Python's docs, 'Note on SIGPIPE')."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # stdout replaced by an object with no descriptor (a test's)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _main(argv: list[str]) -> int:
@@ -606,6 +629,8 @@ def _main(argv: list[str]) -> int:
         # an --out that can not be written fails now, not after the run (tune's --out is a file)
         check_output_path(getattr(args, "out", None), "--out", getattr(args, "_out_kind", "folder"))
         status = run(args)
+    except BrokenPipeError:
+        raise  # stdout closed early: main() ends quietly, this is no error of the command's
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as exc:
         logger.debug("details", exc_info=True)
         print(f"kvbits {args.command}: error: {exc}", file=sys.stderr)

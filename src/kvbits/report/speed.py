@@ -127,6 +127,17 @@ def _ms_cell(r: Mapping[str, Any] | None) -> str:
     return cell if host is None else f"{cell}, host {fmt_float(host, 2)}"
 
 
+def _size_ratio(ratio: float) -> str:
+    """``base / held`` bytes in words: ``"2.00x smaller"``, ``"1.42x larger"``; within half a percent, where two
+    decimals round to 1.00 (a StaticCache as large as DynamicCache read "1.00x smaller"), ``"the same size"``
+    (exactly equal) or ``"about the same size"``."""
+    if ratio == 1:
+        return "the same size"
+    if f"{ratio:.2f}" == "1.00" or f"{1 / ratio:.2f}" == "1.00":
+        return "about the same size"
+    return f"{ratio:.2f}x smaller" if ratio > 1 else f"{1 / ratio:.2f}x larger"
+
+
 def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> str:
     if r is None or r.get("cache_bytes") is None:
         return "n/a"
@@ -137,7 +148,7 @@ def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> 
     # no ratio against or for an empty cache (0 bytes, which the input check allows): it would divide by zero
     if base_held and held and r is not base:
         ratio = base_held / held  # a StaticCache, a reserved cache or a workspace may hold more, not less
-        cell += f" ({ratio:.2f}x smaller)" if ratio >= 1 else f" ({1 / ratio:.2f}x larger)"
+        cell += f" ({_size_ratio(ratio)})"
     if r.get("planned_bytes") is not None and r["planned_bytes"] != r["cache_bytes"]:
         cell += f" **≠ plan {fmt_bytes(r['planned_bytes'])}**"
     if r.get("linear_state_bytes"):
