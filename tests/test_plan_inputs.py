@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_plan import write_tiny_gguf
@@ -137,6 +138,56 @@ def test_empty_or_foreign_file_is_not_a_gguf_file(tmp_path, content, match):
     path.write_bytes(content)
     with pytest.raises(ValueError, match=rf"x\.gguf {match}"):
         plan(path, context=10)
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    """Counts the calls of ``owner.name`` (a class's ``__init__``, or a classmethod) from now on."""
+    calls = [0]
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, classmethod(lambda cls, *a, **k: counted(*a, **k))
+                        if isinstance(owner.__dict__.get(name), classmethod) else counted)
+    return calls
+
+
+def _plan_reads(path: Path) -> set[str]:
+    """What planning from the GGUF file ``path`` reads of its header after transformers built the config
+    (``_from_gguf``'s tail): its vocab size, then its tensor types."""
+    from kvbits.plan import sources
+
+    cached = getattr(sources, "_gguf_header_cached", None)
+    if cached is not None:
+        cached.cache_clear()
+    sources.with_gguf_vocab(SimpleNamespace(vocab_size=32000), path)  # a config transformers read
+    return sources.gguf_tensor_types(path)
+
+
+def test_planning_from_a_gguf_reads_its_header_once(tiny_gguf, monkeypatch):
+    """Planning from a GGUF read its header twice, for its vocab (with_gguf_vocab) and for its tensor types
+    (_with_gguf_weights): with transformers 5.17, whose reader refuses Q4_1, that was gguf's GGUFReader twice
+    (`kvbits plan SmolLM2-135M-Instruct.Q4_1.gguf --context 4096`: 3 GGUFReaders, 24-29 s on a loaded 2-core
+    machine; now 2, the other being transformers' config loader's, 15-17 s). Now one read serves both."""
+    gguf = pytest.importorskip("gguf")
+    reader = pytest.importorskip("transformers.integrations.gguf.reader")
+    from_file = _count_calls(monkeypatch, reader.GgufHeader, "from_file")
+    assert _plan_reads(tiny_gguf) == {"F32"} and from_file == [1]  # transformers' header reader
+
+    def refuse(cls, *args, **kwargs):
+        raise ValueError("unknown GGML type (as transformers 5.17's reader on Q4_1)")
+
+    monkeypatch.setattr(reader.GgufHeader, "from_file", classmethod(refuse))
+    readers = _count_calls(monkeypatch, gguf.GGUFReader, "__init__")
+    assert _plan_reads(tiny_gguf) == {"F32"} and readers == [1]  # gguf's reader, the fallback
+    assert _plan_reads(tiny_gguf) == {"F32"} and readers == [2]  # the cache was cleared: read again
+    from kvbits.plan.sources import gguf_tensor_types, gguf_vocab
+
+    assert gguf_vocab(tiny_gguf).tensor == ("token_embd.weight", 16) and readers == [2]  # cached
+    write_tiny_gguf(tiny_gguf, "Q8_0")  # the file changed (size, modification time): read again
+    assert gguf_tensor_types(tiny_gguf) == {"F32", "Q8_0"} and readers == [3]
 
 
 # ------------------------------------------------------------------------------ memory budgets

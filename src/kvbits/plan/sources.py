@@ -7,6 +7,7 @@ transformers is imported only when a config has to be built or loaded.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -225,21 +226,13 @@ def _with_gguf_weights(config: Any, path: Path) -> Any:
 
 
 def gguf_tensor_types(path: Path) -> set[str]:
-    """The GGML types of the tensors of the GGUF file ``path`` (``{"Q4_1", "Q8_0", "F32"}``), from transformers'
-    header reader where it has one (reads the tensor table alone), else from gguf's ``GGUFReader``."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    try:
-        from transformers.integrations.gguf.reader import GgufHeader  # transformers >= 5.25
-
-        codes = set(GgufHeader.from_file(str(path)).ggml_types.values())
-        return {GGMLQuantizationType(c).name for c in codes}
-    except ImportError:
-        pass
-    except (ValueError, KeyError, struct.error):  # a type or layout it does not know: gguf's reader may
-        logger.debug("transformers' GGUF header reader could not read %s; using gguf's reader", path)
-
-    return {t.tensor_type.name for t in GGUFReader(path).tensors}
+    """The GGML types of the tensors of the GGUF file ``path`` (``{"Q4_1", "Q8_0", "F32"}``), from its header
+    (:func:`_gguf_header`: read once for this and :func:`gguf_vocab`)."""
+    types = _gguf_header(path).types
+    if types is None:  # transformers' reader read a type the installed gguf does not name: gguf's reader may
+        logger.debug("gguf does not name a tensor type transformers read from %s; using gguf's reader", path)
+        types = _gguf_header_gguf(path).types
+    return set(types or ())
 
 
 class GgufVocab(NamedTuple):
@@ -262,16 +255,33 @@ class GgufVocab(NamedTuple):
 _GGUF_VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 
-def _gguf_header_transformers(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
-    """``gguf_vocab``'s metadata and tensor shapes (torch order) through transformers' header reader (>= 5.25)."""
+class _GgufHeader(NamedTuple):
+    """What kvbits reads from a GGUF file's header: its metadata (``tokenizer.ggml.tokens`` as its length), its
+    tensors' shapes (torch order) and the GGML type names of its tensors (None where transformers' reader read a
+    type the installed gguf does not name)."""
+
+    metadata: Mapping[str, Any]
+    shapes: Mapping[str, tuple[int, ...]]
+    types: frozenset[str] | None
+
+
+def _gguf_header_transformers(path: Path) -> _GgufHeader:
+    """The header of ``path`` through transformers' header reader (>= 5.25; ``ImportError`` before)."""
     from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
 
     metadata, _ = read_gguf_metadata(str(path))  # a string array is read as its length
-    return metadata, {t.name: tuple(t.shape) for t in GgufHeader.from_file(str(path)).tensors}
+    tensors = GgufHeader.from_file(str(path)).tensors
+    try:
+        from gguf import GGMLQuantizationType
+
+        types: frozenset[str] | None = frozenset(GGMLQuantizationType(t.ggml_type).name for t in tensors)
+    except (ImportError, ValueError):  # no gguf, or a type it does not name: gguf_tensor_types asks gguf's reader
+        types = None
+    return _GgufHeader(metadata, {t.name: tuple(t.shape) for t in tensors}, types)
 
 
-def _gguf_header_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
-    """``gguf_vocab``'s metadata and tensor shapes (torch order) through gguf's ``GGUFReader``."""
+def _gguf_header_gguf(path: Path) -> _GgufHeader:
+    """The header of ``path`` through gguf's ``GGUFReader`` (~4 s for SmolLM2-135M's: it reads every value)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -284,20 +294,37 @@ def _gguf_header_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, 
     field = reader.get_field(f"{arch}.vocab_size")
     if field is not None:
         metadata[f"{arch}.vocab_size"] = int(field.contents())
-    return metadata, {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # ggml order reversed
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # ggml order reversed
+    return _GgufHeader(metadata, shapes, frozenset(t.tensor_type.name for t in reader.tensors))
+
+
+def _gguf_header(path: Path) -> _GgufHeader:
+    """The header of the GGUF file ``path``, read once per file version (its real path, size and modification
+    time): planning reads both its vocab (:func:`with_gguf_vocab`) and its tensor types (:func:`_with_gguf_weights`),
+    and loading its vocab again (``check_gguf_tokenizer``). transformers' header reader where it reads the file,
+    else gguf's ``GGUFReader``: before transformers 5.25, or a type or layout its reader does not know (5.17's Q4_1).
+    """
+    stat = path.stat()
+    return _gguf_header_cached(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_header_cached(path: str, size: int, mtime_ns: int) -> _GgufHeader:
+    """``_gguf_header`` of the file at ``path`` (``size`` and ``mtime_ns`` key the cache alone)."""
+    try:
+        return _gguf_header_transformers(Path(path))
+    except ImportError:
+        pass
+    except (ValueError, KeyError, struct.error):  # a type or layout it does not know: gguf's reader may
+        logger.debug("transformers' GGUF header reader could not read %s; using gguf's reader", path)
+    return _gguf_header_gguf(Path(path))
 
 
 def gguf_vocab(path: Path) -> GgufVocab:
     """The vocabulary metadata and the embedding tensor's rows of the GGUF file ``path`` (its header alone:
     ~40 ms for SmolLM2-135M with transformers' reader, ~4 s with gguf's ``GGUFReader``, which reads what
     transformers' does not: before transformers 5.25, or a tensor type its reader does not know, as 5.17's Q4_1)."""
-    try:
-        metadata, shapes = _gguf_header_transformers(path)
-    except ImportError:
-        metadata, shapes = _gguf_header_gguf(path)
-    except (ValueError, KeyError, struct.error):  # a type or layout it does not know: gguf's reader may
-        logger.debug("transformers' GGUF header reader could not read %s; using gguf's reader", path)
-        metadata, shapes = _gguf_header_gguf(path)
+    metadata, shapes, _ = _gguf_header(path)
     tokens = metadata.get("tokenizer.ggml.tokens")
     tokens = tokens if isinstance(tokens, int) or tokens is None else len(tokens)
     stated = metadata.get(f"{metadata.get('general.architecture')}.vocab_size", tokens)
