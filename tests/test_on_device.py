@@ -96,3 +96,74 @@ def test_each_command_looks_its_model_up_with_its_cuda_device_current(
             cli.main([command, "--model", "smollm2-135m", *args, "--device", device])
         assert seen[-1] == expected, (command, device)
     assert recorder.current is None  # left on the way out
+
+
+def _entry_calls() -> dict[str, Any]:
+    """Each public Python entry point that loads a model from a spec, called with ``device="cuda:1"``."""
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate import evaluate, needle_eval
+    from kvbits.evaluate.speed import speed_eval
+    from kvbits.monitor import watch
+    from kvbits.tune import tune
+
+    m = "smollm2-135m"
+    return {
+        "evaluate": lambda d: evaluate(m, "wikitext2", 1024, ["kivi-2"], device=d),
+        "speed_eval": lambda d: speed_eval(m, [1024], ["kivi-2"], device=d),
+        "needle_eval": lambda d: needle_eval(m, [1024], ["kivi-2"], device=d),
+        "tune": lambda d: tune(m, "wikitext2", ["kivi-2", "kivi-4"], 3.0, device=d),
+        "calibrate": lambda d: calibrate(m, "wikitext2", "kvquant-4", device=d),
+        "watch": lambda d: watch(m, "wikitext2", 1024, "kivi-2", device=d),
+    }
+
+
+@pytest.mark.parametrize("entry", sorted(_entry_calls()))
+def test_each_python_entry_point_makes_its_cuda_device_current(
+    entry: str, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Called from Python (no CLI ``on_device`` around it), ``device="cuda:1"`` is current while the model is looked
+    up (then loaded and run), and the caller's current device is back afterwards; ``cpu`` makes nothing current.
+    Before, only the CLI entered it: a Python caller's Triton kernels were launched against cuda:0."""
+    seen: list[Any] = []
+
+    def looked(spec: str, **_: Any) -> None:
+        seen.append(recorder.current)
+        raise _Looked(spec)
+
+    monkeypatch.setattr(source, "fetch_offline_model", looked)
+    call = _entry_calls()[entry]
+    for device, expected in (("cuda:1", 1), ("cpu", None)):
+        with pytest.raises(_Looked):
+            call(device)
+        assert seen[-1] == expected, (entry, device)
+    assert recorder.current is None
+
+
+class _OnCuda1(torch.nn.Module):
+    """A module whose parameters say they live on cuda:1 (no GPU here); its forward is never reached."""
+
+    def parameters(self, recurse: bool = True) -> Any:
+        class _P:
+            device = torch.device("cuda", 1)
+
+        yield _P()
+
+
+@pytest.mark.parametrize("entry", ["analyze", "stream_hidden", "calibrate"])
+def test_entry_points_given_a_model_make_its_device_current(
+    entry: str, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model object (no ``device`` argument): its parameters' cuda:1 is entered around the call."""
+    from kvbits.analyze import analyze
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate import stream_hidden
+
+    model = _OnCuda1()
+    call = {
+        "analyze": lambda: analyze(model, torch.zeros(1, 8, dtype=torch.long)),
+        "stream_hidden": lambda: stream_hidden(model, torch.zeros(1, 8, dtype=torch.long), "kivi-2"),
+        "calibrate": lambda: calibrate(model, torch.zeros(1, 8, dtype=torch.long), "kvquant-4"),
+    }[entry]
+    with pytest.raises(Exception):  # noqa: B017 - the stand-in model fails somewhere inside; only the device matters
+        call()
+    assert recorder.entered[:1] == [1] and recorder.current is None

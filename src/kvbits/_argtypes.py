@@ -19,22 +19,28 @@ given without the ``--out`` it applies to. ``add_seed_arg`` gives every seeded c
 ``--seed`` bound, ``[0, SEED_MAX]``, and ``check_seed`` the same bound to the Python entry points that take a seed.
 ``add_threads_arg`` gives every command that runs a model the same ``--threads`` (torch's intra-op threads on the
 CPU), and ``apply_threads`` sets it, before the model loads. ``on_device`` makes a ``--device cuda:N`` the current CUDA
-device while the command's model runs (Triton launches on the current device's stream).
+device while the command's model runs (Triton launches on the current device's stream); ``runs_on_device`` does the
+same around a public Python entry point (``evaluate``, ``speed_eval``, ...), from its ``device`` or its model's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import inspect
 import math
 import numbers
 import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from kvbits._json import dumps
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = [
     "FUSED_DECODE",
@@ -53,7 +59,9 @@ __all__ = [
     "check_overwrite_has_out",
     "check_seed",
     "emit_summary",
+    "model_device",
     "on_device",
+    "runs_on_device",
 ]
 
 FUSED_DECODE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
@@ -207,6 +215,43 @@ def on_device(device: str | Any | None) -> Iterator[None]:
         return
     with torch.cuda.device(index):
         yield
+
+
+def model_device(model: Any) -> Any:
+    """The device of ``model``'s first parameter: a torch module, or an object holding one as ``.model`` (a
+    ``LoadedModel``); None for anything else (a model spec string) or a module without parameters."""
+    import torch
+
+    module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
+    if not isinstance(module, torch.nn.Module):
+        return None
+    first = next(module.parameters(), None)
+    return first.device if first is not None else None
+
+
+def runs_on_device(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a public entry point that takes ``model`` (and maybe ``device``): its whole call runs inside
+    ``on_device(device)``, or ``on_device(<model's device>)`` when ``device`` is None or absent.
+
+    So a Python caller with a model on ``cuda:1`` gets its Triton kernels launched on cuda:1's stream, as the CLI
+    commands (which also enter ``on_device(args.device)``) do. Idempotent when the device is already current, a
+    no-op on CPU / MPS / ``cuda`` without an index; the previous current device is restored on the way out. Arguments
+    the signature does not bind are left for the call itself to refuse (its own TypeError)."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return fn(*args, **kwargs)
+        device = bound.get("device")
+        if device is None:
+            device = model_device(bound.get("model"))
+        with on_device(device):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def add_model_data_args(

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvbits._argtypes import check_seed
+from kvbits._argtypes import check_seed, runs_on_device
 from kvbits._files import atomic_path, write_text_atomic
 from kvbits._json import dumps
 from kvbits.analyze.outliers import (
@@ -265,6 +265,7 @@ def rotary_table_key(tables: Any) -> tuple[Any, ...]:
     return id(tables.rotary), tables.layer_type, tables.rot_dim, tables.half_tables
 
 
+@runs_on_device
 def analyze(
     model: torch.nn.Module,
     windows: torch.Tensor,

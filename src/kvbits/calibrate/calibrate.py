@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvbits._argtypes import check_seed
+from kvbits._argtypes import check_seed, runs_on_device
 from kvbits.analyze.collect import rotary_table_key
 from kvbits.analyze.verify import verify_taps
 from kvbits.calibrate.artifact import (
@@ -765,6 +765,7 @@ def fisher_weights(scheme: KVScheme) -> bool:
     return any(spec.kind == "nuq" for sub in subs for spec in (sub.key, sub.value))
 
 
+@runs_on_device
 def calibrate(
     model: Any,
     data: Any,

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._argtypes import runs_on_device
 from kvbits._model import check_cache_holds, check_model_arg
 from kvbits.evaluate.generation import _mean
 from kvbits.evaluate.needle import (
@@ -283,6 +284,7 @@ def reference_result(records: list[dict], contexts: list[int], depths: list[floa
     }
 
 
+@runs_on_device
 def needle_eval(
     model: Any,
     contexts: Sequence[int] | int,

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._argtypes import runs_on_device
 from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
@@ -203,6 +204,7 @@ def _check_head(model: Any, base: Any, head: LogitHead, ids: torch.Tensor) -> No
     logger.debug("logits from the final hidden states match the model's (relative difference %.2g)", err)
 
 
+@runs_on_device
 def evaluate(
     model: Any,
     data: Any,

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from kvbits._argtypes import runs_on_device
 from kvbits._model import check_cache_holds, check_model_arg
 from kvbits.evaluate.inputs import check_int, check_ints
 from kvbits.evaluate.sdpa import check_sdpa_mode, sdpa_backends
@@ -478,6 +479,7 @@ def _prompts(
     return win, distinct, name, fp
 
 
+@runs_on_device
 def speed_eval(
     model: Any,
     contexts: Sequence[int] | int,

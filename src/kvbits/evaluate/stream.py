@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvbits._argtypes import runs_on_device
 from kvbits._model import check_model
 from kvbits.cache.cache import _holds_state, _is_state_layer, linear_state_bytes
 from kvbits.cache.compat import cache_kwarg
@@ -471,6 +472,7 @@ def decode_hidden(
     return torch.cat(chunks, dim=1)
 
 
+@runs_on_device
 @torch.no_grad()
 def stream_hidden(
     model: Any,

@@ -7,12 +7,14 @@ from typing import Any
 
 import torch
 
+from kvbits._argtypes import runs_on_device
 from kvbits.monitor.monitor import CacheMonitor
 from kvbits.monitor.policy import FallbackPolicy
 
 __all__ = ["watch"]
 
 
+@runs_on_device
 def watch(
     model: Any,
     data: Any,

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbits._argtypes import runs_on_device
 from kvbits.schemes import KVScheme, check_unique_names, get_scheme
 from kvbits.tune.compare import _compared, _warn_better, _warn_beyond, better_compared
 from kvbits.tune.inputs import _candidate_calibrations, _check_name, _model_shape, _prices
@@ -151,6 +152,7 @@ def _warn_unconstrained(layer_bytes: list[list[int]], elements: int, budget_bits
         )  # fmt: skip
 
 
+@runs_on_device
 def tune(
     model: Any,
     data: Any,
