@@ -504,3 +504,32 @@ def test_attention_entropy_edges_give_nan_empty_or_a_clear_error():
         attention_entropy(q, k[..., :3], mask, 0.5)
     with pytest.raises(ValueError, match="k must be"):
         attention_entropy(q.expand(2, -1, -1, -1), k, mask, 0.5)
+
+
+def test_generation_past_the_calibrated_length_is_recorded_and_warned(caplog, tmp_path, monkeypatch):
+    """``generate=N`` serves ``context + N`` positions through each scheme's cache, but only the window (``context``)
+    was checked against the calibrated length: a window of 64 on a 64-token calibration generated 16 more tokens with
+    no word. Now the record counts them and the log says so, with the ``--context`` that covers them (also when
+    ``--out`` reuses the finished run)."""
+    from test_evaluate import _narrow_kvquant
+
+    from kvbits.evaluate import runner
+
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    model, scheme, art = _narrow_kvquant(64)
+    kw = {"calibration": art, "attn_layers": [], "generate": 16, "out_dir": tmp_path / "run"}
+    for _ in range(2):  # run, then reused
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvbits"):
+            s = evaluate(model, _ids(64), 64, [scheme], **kw)
+        cal = s["results"][0]["calibration"]
+        assert cal["positions_beyond_calibrated"] == 0 and cal["generation_positions_beyond_calibrated"] == 16
+        assert (
+            "kvquant-4 (generation: 16 tokens after each 64-token window) serves 16 of 80 positions per window beyond "
+            "the 64 tokens it was calibrated on. Calibrate with --context 80 to cover every position." in caplog.text
+        )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits"):  # within the calibrated length: nothing said, 0 recorded
+        s = evaluate(model, _ids(64), 48, [scheme], calibration=art, attn_layers=[], generate=16)
+    assert s["results"][0]["calibration"]["generation_positions_beyond_calibrated"] == 0
+    assert "generation:" not in caplog.text

@@ -45,7 +45,8 @@ examples:
 "seconds", "reference_seconds"} (with --generate; null otherwise), "calibration":
 {"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (kvbits schemes),
 "integer_zero" (the sides vllm-int4's integer zero-points store, which clip where a token's range excludes 0),
-"max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
+"max_calibrated_length", "positions_beyond_calibrated", "generation_positions_beyond_calibrated" (with
+--generate N: of the context + N positions its continuations reach), "artifact": {"id", "path", "data",
 "context", "windows", "tokens"}, "calibrated_on_eval_text" (the calibration's data has the evaluated text's
 sha256, or its token ids' (a file and its (N,) ids alike): its figures are flattered, a warning says so, also
 when --out reuses the finished run; null where either records none),

@@ -135,10 +135,22 @@ def long_run_avg_bits(
     return long_run_bits(shape, scheme)
 
 
+def _with_generation(record: dict[str, Any], context: int, generate: int) -> dict[str, Any]:
+    """``record`` (``_mismatch``) with ``generation_positions_beyond_calibrated``: ``B`` of the ``context + generate``
+    positions a run that generates ``generate`` tokens after each window of ``context`` serves (``evaluate(generate=N)``)
+    lie past its calibrated length. ``record`` as it is without generation or a calibrated length."""
+    longest = record.get("max_calibrated_length")
+    if not generate or not isinstance(longest, int):
+        return record
+    return {**record, "generation_positions_beyond_calibrated": max(0, int(context) + int(generate) - longest)}
+
+
 def _warn_mismatch(scheme: str, record: dict[str, Any], context: int) -> None:
     """Log what the report flags in a scheme's calibration record (``_mismatch``), in its words:
     positions served beyond the calibrated length, and clipping above the report's warning level, so
-    a terminal run (no ``--out``, no report) says it too."""
+    a terminal run (no ``--out``, no report) says it too. With generation (``_with_generation``), the positions
+    its continuations reach past the calibrated length are said the same way, with the ``--context`` that covers
+    prompt and continuation."""
     from kvbits.report.calibration import calibration_advice, calibration_issues, calibration_row
 
     row = calibration_row(scheme, record, context)
@@ -146,6 +158,14 @@ def _warn_mismatch(scheme: str, record: dict[str, Any], context: int) -> None:
     if issues:
         advice = calibration_advice(row)  # the report's advice too
         logger.warning("%s %s.%s", scheme, "; ".join(issues), f" {advice}" if advice else "")
+    beyond, longest = record.get("generation_positions_beyond_calibrated"), record.get("max_calibrated_length")
+    if isinstance(beyond, int) and beyond > 0 and isinstance(longest, int):
+        reach = longest + beyond  # the window and its continuation
+        gen = calibration_row(scheme, {"max_calibrated_length": longest, "positions_beyond_calibrated": beyond}, reach)
+        logger.warning(
+            "%s (generation: %d tokens after each %d-token window) %s. %s", scheme, reach - context, context,
+            "; ".join(calibration_issues(gen)), calibration_advice(gen),
+        )  # fmt: skip
 
 
 def _warn_unquantized(model: Any, scheme: Any, context: int) -> bool:

@@ -89,6 +89,7 @@ from kvbits.evaluate.measures import (
     _warn_length_dependent_rope,
     _warn_mismatch,
     _warn_unquantized,
+    _with_generation,
     add_clipping,
     add_counts,
     floating_dtype,
@@ -649,9 +650,10 @@ def evaluate(
                     gen[1 + i], gen[0], prompt_tokens=T, seconds=run["generation_seconds"][1 + i],
                     reference_seconds=run["generation_seconds"][0],
                 ) if generate else None,
-                "calibration": {
-                    **_mismatch(clipped[name], calibrations.get(name), T, mode, scheme), **on_eval_text.get(name, {})
-                },
+                "calibration": _with_generation(
+                    {**_mismatch(clipped[name], calibrations.get(name), T, mode, scheme), **on_eval_text.get(name, {})},
+                    T, generate,
+                ),
                 "seconds": seconds[name],
                 "decode": None if decode[name] is None else {
                     "fused_steps": decode[name].get("fused_steps", 0),
