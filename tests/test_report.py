@@ -734,6 +734,10 @@ def test_generation_past_the_calibrated_length_is_warned_in_the_report_as_in_the
     with caplog.at_level("WARNING", logger="kvbits"):
         _warn_mismatch("kivi-4", cal, 8192)
     assert f"kivi-4 {said}" in caplog.text  # the same words
+    from kvbits.report.calibration import calibration_row, generation_warning
+
+    no_context = generation_warning(calibration_row("kivi-4", cal, 0))  # a record without the run's context
+    assert no_context == "(generation) " + said[said.index(")") + 2:]
     old = _calibrated_summary()  # no key: unchanged
     before = write_report(_write_run(tmp_path / "old", old, config=_config(), tokens=False), plots=False)["markdown"]
     assert "generation:" not in before.read_text()

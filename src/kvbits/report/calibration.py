@@ -388,10 +388,9 @@ def generation_warning(row: CalibrationRow) -> str:
         return ""
     reach = longest + beyond  # the window and its continuation
     gen = CalibrationRow(row.scheme, calibrated_length=longest, beyond=beyond, context=reach)
-    return (
-        f"(generation: {reach - row.context:,} tokens after each {row.context:,}-token window) "
-        f"{'; '.join(calibration_issues(gen))}. {calibration_advice(gen)}"
-    )
+    head = f"generation: {reach - row.context:,} tokens after each {row.context:,}-token window" if row.context \
+        else "generation"  # fmt: skip
+    return f"({head}) {'; '.join(calibration_issues(gen))}. {calibration_advice(gen)}"
 
 
 def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLIP_WARN_FRAC) -> list[str]:
