@@ -533,3 +533,23 @@ def test_generation_past_the_calibrated_length_is_recorded_and_warned(caplog, tm
         s = evaluate(model, _ids(64), 48, [scheme], calibration=art, attn_layers=[], generate=16)
     assert s["results"][0]["calibration"]["generation_positions_beyond_calibrated"] == 0
     assert "generation:" not in caplog.text
+
+
+def test_the_generation_log_line_summarises_divergences_and_says_n_a_for_rep_4(caplog):
+    """The log line per scheme printed every window's first divergence (``[0, 2, 1, ...]``, one per window: a long
+    run's line ran to hundreds of numbers) and ``rep-4 None (reference None)`` for continuations shorter than 4 tokens;
+    it now says min, median, max and the count past 8 windows, and ``n/a`` as the report does."""
+    model = _llama()
+    with caplog.at_level("INFO", logger="kvbits"):
+        out = evaluate(model, _ids(9 * 16), 16, ["int2-token"], windows=9, attn_layers=[], generate=2)
+    div = out["results"][0]["generation"]["first_divergence"]
+    assert len(div) == 9
+    line = next(r.getMessage() for r in caplog.records if "greedy tokens" in r.getMessage())
+    assert "rep-4 n/a (reference n/a)" in line and "None" not in line, line
+    assert f"first divergence min {min(div)}, median {float(np.median(div)):g}, max {max(div)} over 9 windows" in line
+    from kvbits.evaluate.generation import generation_log_text
+
+    rec = {"new_tokens": 16, "agreement": 0.5, "first_divergence": [3, 16], "rep": {"4": 0.25}, "rep_ref": {"4": 0.0}}
+    assert generation_log_text(rec) == (
+        "16 greedy tokens, agreement with the reference 0.500, first divergence 3, 16, rep-4 0.250 (reference 0.000)"
+    )

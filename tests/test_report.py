@@ -711,6 +711,41 @@ def test_calibration_warning_ends_with_the_advice_eval_logs(tmp_path, caplog):
     assert cover_advice(8192) == advice
 
 
+def test_generation_past_the_calibrated_length_is_warned_in_the_report_as_in_the_log(tmp_path, caplog):
+    """``kvbits eval --generate N`` records ``generation_positions_beyond_calibrated`` and logs a warning, but the
+    report (Markdown, terminal) said nothing of it: it now says the log's sentence, with the ``--context`` that
+    covers the window and its continuation. A record without the key (runs from before it) renders as before."""
+    from rich.console import Console
+
+    from kvbits.evaluate.measures import _warn_mismatch
+
+    s = _calibrated_summary()
+    cal = s["results"][1]["calibration"]
+    cal.update(max_calibrated_length=8192, positions_beyond_calibrated=0, generation_positions_beyond_calibrated=64)
+    said = (
+        "(generation: 64 tokens after each 8,192-token window) serves 64 of 8,256 positions per window beyond the "
+        "8,192 tokens it was calibrated on. Calibrate with --context 8256 to cover every position."
+    )
+    md = write_report(_write_run(tmp_path / "run", s, config=_config(), tokens=False), plots=False)["markdown"]
+    assert f"Warning: **kivi-4** {said}\n" in md.read_text()
+    con = Console(record=True, width=400, color_system=None)
+    print_summary(s, con)
+    assert f"Warning: kivi-4 {said}" in con.export_text()
+    with caplog.at_level("WARNING", logger="kvbits"):
+        _warn_mismatch("kivi-4", cal, 8192)
+    assert f"kivi-4 {said}" in caplog.text  # the same words
+    from kvbits.report.calibration import calibration_row, generation_warning
+
+    no_context = generation_warning(calibration_row("kivi-4", cal, 0))  # a record without the run's context
+    assert no_context == "(generation) " + said[said.index(")") + 2:]
+    old = _calibrated_summary()  # no key: unchanged
+    before = write_report(_write_run(tmp_path / "old", old, config=_config(), tokens=False), plots=False)["markdown"]
+    assert "generation:" not in before.read_text()
+    cal["generation_positions_beyond_calibrated"] = 0
+    md = write_report(_write_run(tmp_path / "within", s, config=_config(), tokens=False), plots=False)["markdown"]
+    assert "generation:" not in md.read_text()
+
+
 def test_print_summary_shows_calibration_warnings():
     from rich.console import Console
 

@@ -47,6 +47,7 @@ __all__ = [
     "check_generate",
     "continuations",
     "first_divergence",
+    "generation_log_text",
     "generation_summary",
     "greedy_continuation",
     "rep_n",
@@ -135,6 +136,33 @@ def generation_summary(
         "seconds": float(seconds),
         "reference_seconds": float(reference_seconds),
     }
+
+
+def _divergence_text(div: Sequence[int]) -> str:
+    """First divergences per window ``(W,)`` as the log says them: each for up to 8 windows, else min, median, max and
+    the count (a 200-window run printed all 200); ``n/a`` for none."""
+    if not len(div):
+        return "n/a"
+    if len(div) <= 8:
+        return ", ".join(str(int(x)) for x in div)
+    return f"min {min(div)}, median {float(np.median(div)):g}, max {max(div)} over {len(div)} windows"
+
+
+def _fmt3(x: Any) -> str:
+    """A mean (rep-n, agreement; None where no window has ``n`` tokens) with 3 decimals, ``n/a`` as the report says it."""
+    return f"{float(x):.3f}" if isinstance(x, (int, float)) and np.isfinite(x) else "n/a"
+
+
+def generation_log_text(rec: Mapping[str, Any]) -> str:
+    """One line of ``kvbits eval``'s log for a generation record (:func:`generation_summary`): greedy tokens,
+    agreement, first divergence (:func:`_divergence_text`), rep-4 against the reference (``n/a`` where the
+    continuations are shorter than 4 tokens, not ``None``)."""
+    rep, ref = rec.get("rep") or {}, rec.get("rep_ref") or {}
+    return (
+        f"{rec.get('new_tokens')} greedy tokens, agreement with the reference {_fmt3(rec.get('agreement'))}, "
+        f"first divergence {_divergence_text(rec.get('first_divergence') or [])}, "
+        f"rep-4 {_fmt3(rep.get('4'))} (reference {_fmt3(ref.get('4'))})"
+    )
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

@@ -151,21 +151,21 @@ def _warn_mismatch(scheme: str, record: dict[str, Any], context: int) -> None:
     a terminal run (no ``--out``, no report) says it too. With generation (``_with_generation``), the positions
     its continuations reach past the calibrated length are said the same way, with the ``--context`` that covers
     prompt and continuation."""
-    from kvbits.report.calibration import calibration_advice, calibration_issues, calibration_row
+    from kvbits.report.calibration import (
+        calibration_advice,
+        calibration_issues,
+        calibration_row,
+        generation_warning,
+    )
 
     row = calibration_row(scheme, record, context)
     issues = calibration_issues(row)
     if issues:
         advice = calibration_advice(row)  # the report's advice too
         logger.warning("%s %s.%s", scheme, "; ".join(issues), f" {advice}" if advice else "")
-    beyond, longest = record.get("generation_positions_beyond_calibrated"), record.get("max_calibrated_length")
-    if isinstance(beyond, int) and beyond > 0 and isinstance(longest, int):
-        reach = longest + beyond  # the window and its continuation
-        gen = calibration_row(scheme, {"max_calibrated_length": longest, "positions_beyond_calibrated": beyond}, reach)
-        logger.warning(
-            "%s (generation: %d tokens after each %d-token window) %s. %s", scheme, reach - context, context,
-            "; ".join(calibration_issues(gen)), calibration_advice(gen),
-        )  # fmt: skip
+    gen = generation_warning(row)  # the report's words too
+    if gen:
+        logger.warning("%s %s", scheme, gen)
 
 
 def _warn_unquantized(model: Any, scheme: Any, context: int) -> bool:

@@ -68,6 +68,7 @@ from kvbits.evaluate.generation import (
     check_can_generate,
     check_generate,
     continuations,
+    generation_log_text,
     generation_summary,
 )
 from kvbits.evaluate.inputs import (
@@ -676,16 +677,7 @@ def evaluate(
             )
             gen_rec = results[-1]["generation"]
             if gen_rec is not None:
-                logger.info(
-                    "%s: %d greedy tokens, agreement with the reference %.3f, first divergence %s, "
-                    "rep-4 %s (reference %s)",
-                    name,
-                    generate,
-                    gen_rec["agreement"],
-                    gen_rec["first_divergence"],
-                    gen_rec["rep"]["4"],
-                    gen_rec["rep_ref"]["4"],
-                )
+                logger.info("%s: %s", name, generation_log_text(gen_rec))
     summary = {
         "model": model_name,
         "data": data_name,

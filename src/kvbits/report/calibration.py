@@ -13,6 +13,8 @@ constants fitted offline by ``kvbits calibrate``. The evaluator records, per sch
   the range is lost); absent for other schemes;
 - ``max_calibrated_length`` and ``positions_beyond_calibrated``: the longest context the calibration
   saw, and how many positions of each window lie past it;
+- ``generation_positions_beyond_calibrated`` (``--generate N`` runs; absent in other runs and those from before it):
+  how many of the ``context + N`` positions a window and its greedy continuation reach lie past the calibrated length;
 - ``calibrated_on_eval_text`` and ``calibration_overlap_tokens``: the calibration's data is the evaluated text (same
   sha256; its figures are flattered: the report marks the row and warns) and how many evaluated tokens lie in its
   calibration windows (``kvbits.evaluate.calib_text``; null where not recorded, absent in runs from before it);
@@ -50,6 +52,7 @@ __all__ = [
     "calibration_table",
     "calibration_warnings",
     "cover_advice",
+    "generation_warning",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,6 +84,7 @@ class CalibrationRow:
     clipped_keys: int | None = None
     clipped_values: int | None = None
     beyond: int | None = None  # positions per window past calibrated_length
+    generation_beyond: int | None = None  # of the window plus its continuation (--generate), past calibrated_length
     context: int = 0
     integer_zero: tuple[str, ...] = ()  # sides ("keys", "values") stored under integer zero-points (vllm-int4)
     on_eval_text: bool | None = None  # calibrated on the evaluated text (same sha256); None: not recorded
@@ -259,6 +263,7 @@ def calibration_row(
         on_eval_text=record.get("calibrated_on_eval_text") if isinstance(record.get("calibrated_on_eval_text"), bool)
         else None,
         overlap_tokens=_count(record.get("calibration_overlap_tokens")),
+        generation_beyond=_count(record.get("generation_positions_beyond_calibrated")),
     )
 
 
@@ -372,9 +377,26 @@ def calibration_advice(row: CalibrationRow) -> str:
     return cover_advice(_advised_context(row)) if row.beyond else ""
 
 
+def generation_warning(row: CalibrationRow) -> str:
+    """What follows the scheme's name when its greedy continuations (``--generate N``) reach past the calibrated
+    length, with the ``--context`` that covers the window and its continuation: ``"(generation: 16 tokens after
+    each 64-token window) serves 16 of 80 positions per window beyond the 64 tokens it was calibrated on. Calibrate
+    with --context 80 to cover every position."``; ``""`` when they do not or it is not recorded. The same words in
+    ``kvbits eval``'s log and the report."""
+    beyond, longest = row.generation_beyond, row.calibrated_length
+    if not beyond or beyond <= 0 or longest is None:
+        return ""
+    reach = longest + beyond  # the window and its continuation
+    gen = CalibrationRow(row.scheme, calibrated_length=longest, beyond=beyond, context=reach)
+    head = f"generation: {reach - row.context:,} tokens after each {row.context:,}-token window" if row.context \
+        else "generation"  # fmt: skip
+    return f"({head}) {'; '.join(calibration_issues(gen))}. {calibration_advice(gen)}"
+
+
 def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLIP_WARN_FRAC) -> list[str]:
     """One warning line per scheme with :func:`calibration_issues`, ending with :func:`calibration_advice` where it
-    served positions beyond its calibrated length; inline ``**bold**`` marks the scheme."""
+    served positions beyond its calibrated length, and one more where its continuations did
+    (:func:`generation_warning`); inline ``**bold**`` marks the scheme."""
     lines = []
     for row in rows:
         issues = calibration_issues(row, clip_threshold)
@@ -385,4 +407,7 @@ def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLI
         if issues:
             advice = calibration_advice(row)
             lines.append(f"Warning: **{text(row.scheme)}** " + "; ".join(issues) + "." + (f" {advice}" if advice else ""))
+        gen = generation_warning(row)
+        if gen:
+            lines.append(f"Warning: **{text(row.scheme)}** {gen}")
     return lines
