@@ -819,3 +819,22 @@ def test_configs_the_rotary_module_can_not_use_are_refused_by_name(model_type, e
     cfg = transformers.AutoConfig.for_model(model_type)
     with pytest.raises(error, match=rf"model_type '{model_type}[\w]*': its rotary module \w+ .*{why}"):
         RotaryTables.from_config(cfg)
+
+
+@pytest.mark.parametrize("model_type", ["granite_swa", "granitemoe_swa"])
+def test_per_layer_rope_theta_tables_of_a_bf16_cast_model_are_its_own(model_type: str):
+    """Was: ``RotaryTables.from_model`` of a Granite SWA model cast with ``.to(torch.bfloat16)`` rebuilt the per-base
+    rotary modules from the config in float32, while the model's own ``rotary_embs`` had their ``inv_freq`` rounded
+    to bfloat16 by the cast: its pre-RoPE keys re-rotated by the tables were off by up to 15 % of the largest key at
+    512 tokens (pre-RoPE keys quantized in a frame the model never used). Now the tables take the model's own
+    modules: its cached keys bit for bit."""
+    cfg = _config_class(model_type)(
+        **TINY | {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 1024, "layer_types": _SWA},
+        layer_rope_theta=[500000.0, 0, 1000.0, 500000.0], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model, pre, post = _forward_keys(cfg, T=512, dtype=torch.bfloat16)
+    tables = RotaryTables.from_model(model)
+    assert tables.tables_for_layer(0).rotary is tables.tables_for_layer(3).rotary  # one module per base
+    for layer in (0, 2, 3):
+        cos, sin = tables.tables_for_layer(layer).cos_sin(torch.arange(512), torch.bfloat16)
+        assert torch.equal(apply_rope(pre[layer], cos, sin), post[layer])

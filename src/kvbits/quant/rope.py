@@ -55,6 +55,7 @@ from kvbits.plan.positions import (
     INTERLEAVED_SINUSOID,
     NON_TEXT_ROTARY,
     NOT_ROTATE_HALF,
+    PER_LAYER_THETA,
     interleave_reason,
     layer_rope_theta,
     layer_rotates,
@@ -232,6 +233,15 @@ def _unbuildable_reason(config: Any, exc: Exception) -> str:
     )
 
 
+def _pristine_copy(rotary: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a model's rotary module in eval mode, without its hooks, its dynamic RoPE state reset."""
+    rotary = copy.deepcopy(rotary).eval()
+    for hooks in (rotary._forward_hooks, rotary._forward_pre_hooks):
+        hooks.clear()
+    _reset_dynamic_state(rotary)
+    return rotary
+
+
 def _instantiate(
     cls: type, config: Any, device: torch.device | str | None, model_type: str | None = None
 ) -> torch.nn.Module:
@@ -396,11 +406,20 @@ class RotaryTables:
         text = getattr(found, "config", None) or text_config(model.config)
         _refuse_layout(text, getattr(text, "model_type", None))
         _refuse_without_rope(text, getattr(text, "model_type", None))
-        rotary = copy.deepcopy(found).eval()
-        for hooks in (rotary._forward_hooks, rotary._forward_pre_hooks):
-            hooks.clear()
-        _reset_dynamic_state(rotary)
-        return cls._build(text, rotary, inspect.getmodule(type(found)))
+        tables = cls._build(text, _pristine_copy(found), inspect.getmodule(type(found)))
+        if getattr(text, "model_type", None) in PER_LAYER_THETA:
+            # the model's own module per base (model.rotary_embs), not ones rebuilt from the config in float32: a
+            # model cast with .to(torch.bfloat16) rounded their inv_freq too (rebuilt ones re-rotated its keys
+            # with up to 15 % of the largest key's error at 512 tokens)
+            base = (getattr(text, "rope_parameters", None) or {}).get("rope_theta")
+            if base is not None:
+                tables._rotary_for_theta(float(base))  # memoises the global base's module: tables.rotary
+            for sub in model.modules():
+                params = getattr(getattr(sub, "config", None), "rope_parameters", None)
+                theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+                if type(sub) is type(found) and sub is not found and theta is not None:
+                    tables._theta_modules.setdefault(float(theta), _pristine_copy(sub))
+        return tables
 
     @classmethod
     def _build(cls, text: Any, rotary: torch.nn.Module, module: Any) -> RotaryTables:
