@@ -456,6 +456,23 @@ def test_beyond_calibration_holds_after_patience_flushes() -> None:
     assert mon.held_layers() == [0, 1]
 
 
+def test_beyond_calibration_is_read_at_every_flush_however_sampled() -> None:
+    """``sample_every=2``: the flush at 160 (the prompt) is measured, the one at 192, past the calibrated 170, is
+    not. The position is the host's count, so it is read there all the same. Before, the check ran on measured
+    flushes only: a request ending at 200 was never said to pass the calibration, nor held for it."""
+    model, ids = llama(), ids_of(1, 160)
+    for hold in (False, True):
+        cache = QuantizedKVCache(config=model.config, scheme="kivi-4")
+        cache.calibration = SimpleNamespace(max_calibrated_length=170)
+        mon = CacheMonitor(cache, FallbackPolicy(beyond_calibration=hold, sample_every=2))
+        run(model, cache, ids, decode=40)
+        said = [(e["layer"], e["tokens"], e["action"]) for e in mon.events if e["signal"] == "beyond_calibration"]
+        action = "hold_layer" if hold else "none"
+        assert said == [(0, 192, action), (1, 192, action)]
+        assert mon.held_layers() == ([0, 1] if hold else [])
+        assert mon.snapshot()["signals"][0]["measured"] == 1  # still sampled: the 192 flush was not measured
+
+
 def test_stream_hidden_hands_the_cache_over_before_tokens() -> None:
     model, ids = llama(), ids_of(1, 170)
     seen: list[CacheMonitor] = []

@@ -98,7 +98,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sample-every", type=_positive, default=1,
-        help="measure one flush in this many (default 1); errors and clipped values count the measured ones only",
+        help="measure one flush in this many (default 1); errors and clipped values count the measured ones only "
+        "(the calibrated context is checked at every flush)",
     )
     p.add_argument(
         "--label", action="append", default=[], metavar="K=V", help="constant metric label; repeatable"

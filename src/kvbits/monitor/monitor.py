@@ -154,28 +154,33 @@ class CacheMonitor:
             self._flush_crossed[key] = False
         self._blocks[key] += x.shape[2] // layer.scheme.block
         self._values[key] += x.numel()  # shapes only: no host sync
+        if x.shape[0] == 0:  # an empty batch flushed: no sequence to measure, no position to read
+            return
+        sig = self.signals[key]
         if (self._flushes[key] - 1) % self.policy.sample_every:
+            # not measured (sampling): the position past the calibrated length is still read, from the host's count
+            self._check(layer, side, sig, None, None, slice_of_last)
             return
         errors = flush_error(x, qt.dequantize(torch.float32), layer.scheme.block).tolist()  # worst block each
-        if not errors:  # an empty batch flushed: no sequence to measure
-            return
         clipped = int(qt.clipped)
-        sig = self.signals[key]
         sig.add(errors, x.shape[2], clipped, x.numel(), same_flush=slice_of_last)
         self._check(layer, side, sig, errors, clipped / max(1, x.numel()), slice_of_last)
 
     def _check(
-        self, layer: Any, side: str, sig: SideSignals, errors: list[float], clipped_frac: float, same_flush: bool
-    ) -> None:
-        """Read one measured chunk against the policy; ``same_flush``: a further slice of the flush read last
-        (which counts towards ``patience`` once, whichever of its slices crossed)."""
+        self, layer: Any, side: str, sig: SideSignals, errors: list[float] | None, clipped_frac: float | None,
+        same_flush: bool,
+    ) -> None:  # fmt: skip
+        """Read one chunk against the policy; ``same_flush``: a further slice of the flush read last (which counts
+        towards ``patience`` once, whichever of its slices crossed). ``errors`` / ``clipped_frac`` ``None``: a flush
+        not measured (``sample_every``), read for its position only (past the calibrated length: a host count, no
+        device sync); one that does not cross leaves the run of crossing flushes as it was (nothing was measured)."""
         pol = self.policy
         crossed = []
         thr = pol.error_threshold(side)
-        worst = worst_index(errors)
-        if thr is not None and not errors[worst] <= thr:  # NaN crosses too
+        worst = worst_index(errors) if errors is not None else None
+        if errors is not None and thr is not None and not errors[worst] <= thr:  # NaN crosses too
             crossed.append((f"{side}_error", errors[worst], thr))
-        if pol.clipped_fraction is not None and clipped_frac > pol.clipped_fraction:
+        if clipped_frac is not None and pol.clipped_fraction is not None and clipped_frac > pol.clipped_fraction:
             crossed.append(("clipped_fraction", clipped_frac, pol.clipped_fraction))
         longest = self.calibrated_length()
         beyond = longest is not None and layer.tokens_seen > longest
@@ -189,7 +194,7 @@ class CacheMonitor:
         key = (layer.layer_idx, side)
         said = self._said[key]
         if not crossed:
-            if not same_flush:
+            if not same_flush and errors is not None:
                 sig.over = 0
                 said.clear()
             return

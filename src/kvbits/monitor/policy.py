@@ -43,7 +43,8 @@ class FallbackPolicy:
             worst block), as ``sample_every`` counts it once: ``clipped_fraction`` and ``beyond_calibration``
             are read per flush, not per block.
         sample_every: measure one flush in this many per layer and side (1: all). Each measurement
-            dequantizes the block once and reads a few numbers back to the host.
+            dequantizes the block once and reads a few numbers back to the host. ``beyond_calibration`` reads
+            every flush however it is sampled (a position count the host keeps: no measurement, no sync).
 
     ``None`` thresholds are off; a policy with none only records signals (``CacheMonitor`` without a policy
     does the same).
