@@ -1132,3 +1132,27 @@ def test_monitor_help_documents_the_scheme_label_and_what_clipped_fraction_reads
     p = add_parser(argparse.ArgumentParser().add_subparsers())
     (clip,) = [a for a in p._actions if "--clipped-fraction" in a.option_strings]
     assert "one token's values per check" in clip.help
+
+
+def test_cli_monitor_names_the_files_it_wrote(tmp_path, monkeypatch, capsys) -> None:
+    """kvbits monitor wrote --prom and --events without a word (every other command says "wrote ..."); its summary
+    now ends naming them."""
+    from _wordlevel import save_word_tokenizer, write_word_text
+
+    from kvbits.cli import main
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)  # fmt: skip
+    text = write_word_text(tmp_path / "book.txt", 400)
+    prom, events = tmp_path / "kvbits.prom", tmp_path / "ev.jsonl"
+    argv = ["monitor", "--model", str(folder), "--data", str(text), "--context", "200", "--scheme", "kivi-2",
+            "--value-error", "0", "--prom", str(prom), "--events", str(events)]  # fmt: skip
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"wrote {prom} (Prometheus text)" in out and prom.is_file()
+    assert f"appended 2 event(s) to {events} (JSON lines)" in out
+    assert len(events.read_text().splitlines()) == 2

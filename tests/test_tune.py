@@ -837,3 +837,19 @@ def test_tune_warns_when_the_budget_constrains_nothing(caplog):
         assert len(lines) == int(warned), (budget, lines)
         if warned:
             assert "9 average bits at 64 tokens" in lines[0] and res.choice == ["int8-token"] * 3
+
+
+def test_cli_tune_progress_lines_name_kvbits_tune(tmp_path, capsys, monkeypatch):
+    """With the bar on and stderr not a terminal (a log file), the plain stage lines of tune's passes said
+    ``kvbits eval: window 1/1: exact,0=int8-token ...`` although the user ran ``kvbits tune``; they now name it."""
+    from kvbits import tune as tune_pkg
+
+    model = _llama()
+    real = tune_pkg.tune
+    monkeypatch.setattr(tune_pkg, "tune", lambda _m, _d, *a, **kw: real(model, _ids(200), *a, **kw))
+    argv = ["tune", "--model", "tiny", "--data", "tiny", "--context", "64", "--candidates", "int8-token",
+            "--candidates", "int2-token", "--budget-bits", "6", "--out", str(tmp_path / "mix.json")]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "kvbits tune: window 1/1: exact,0=int8-token (" in err
+    assert "kvbits eval:" not in err

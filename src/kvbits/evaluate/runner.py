@@ -168,14 +168,15 @@ def _progress(enabled: bool, total: int):
     )
 
 
-def _say_progress(bar: Any, task: Any, what: str, since: float) -> None:
+def _say_progress(bar: Any, task: Any, what: str, since: float, label: str = "kvbits eval") -> None:
     """One plain line on the progress bar's console (stderr) for each new stage (``what``: "window 1/2: kivi-2"),
     with the units done and the seconds since ``since``: where stderr is not a terminal, rich draws nothing until
     the bar ends, and a stream-mode run (~0.14 s per token and scheme for SmolLM2-135M on one CPU core) said
-    nothing for minutes."""
+    nothing for minutes. ``label`` names the command that runs the evaluation (``kvbits tune``'s passes said
+    ``kvbits eval:``)."""
     t = next(x for x in bar.tasks if x.id == task)
     bar.console.print(
-        f"kvbits eval: {what} ({int(t.completed)}/{int(t.total or 0)} token passes done, "
+        f"{label}: {what} ({int(t.completed)}/{int(t.total or 0)} token passes done, "
         f"{time.perf_counter() - since:.0f} s)",
         markup=False, highlight=False, soft_wrap=True,
     )  # fmt: skip
@@ -232,6 +233,7 @@ def evaluate(
     distributed: bool | None = None,
     generate: int = 0,
     on_pass: Callable[[int, int, str], None] | None = None,
+    progress_label: str = "kvbits eval",
 ) -> dict[str, Any]:
     """Measure each scheme against the unquantized model, by position bucket.
 
@@ -278,6 +280,7 @@ def evaluate(
         on_pass: called as ``on_pass(window, windows, scheme_name)`` after each scheme's pass over a window
             (this rank's windows; ``windows`` those the run measures): a caller's progress without the bar
             (``kvbits tune`` logs one line per probed layer); not called for a stored run that is reused.
+        progress_label: the command the bar's plain lines on a non-terminal stderr name (``"kvbits tune"``).
 
     Returns:
         The summary: ``{"model", "data", "context", "semantics", "mode", "windows", "fingerprint":
@@ -515,7 +518,7 @@ def evaluate(
             if bar is not None:
                 bar.update(task, advance=n, description=what) if what else bar.update(task, advance=n)
                 if what and not bar.console.is_terminal:  # a log file or a pipe: rich draws the bar once, at the end
-                    _say_progress(bar, task, what, t_loop)
+                    _say_progress(bar, task, what, t_loop, progress_label)
 
         t_loop = time.perf_counter()
         for w in mine:

@@ -190,7 +190,20 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(strict_json(snap, indent=2) + "\n")
         return 0
     _print(snap)
+    _say_written(args.prom, args.events, len(snap["events"]))
     return 0
+
+
+def _say_written(prom: str | None, events: str | None, n_events: int) -> None:
+    """Name the files written, as the other commands do (``wrote ...``): ``--prom`` and ``--events`` were
+    written without a word, leaving a user to guess whether and where."""
+    from kvbits.cli import _console
+
+    console = _console()
+    if prom:
+        console.print(f"wrote {prom} (Prometheus text)", markup=False, highlight=False)
+    if events:
+        console.print(f"appended {n_events} event(s) to {events} (JSON lines)", markup=False, highlight=False)
 
 
 def _print(snap: dict[str, Any]) -> None:

@@ -100,7 +100,7 @@ def layer_sensitivity(
     summary = evaluate(
         model, data, context, schemes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
         device=device, progress=progress, calibration=_composed(schemes, calibrations),
-        on_pass=_layer_progress(layer_of, n_layers, "sensitivity"),
+        on_pass=_layer_progress(layer_of, n_layers, "sensitivity"), progress_label="kvbits tune",
     )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     return [
@@ -188,7 +188,8 @@ def marginal_sensitivity(
     layer_of = {p.name: i for (i, _), p in probes.items()}
     summary = evaluate(
         model, data, context, mixes, attn_layers=[], calibration=_composed(mixes, calibrations),
-        on_pass=_layer_progress(layer_of, len(pick), "marginal KLs around the mix"), **run,
+        on_pass=_layer_progress(layer_of, len(pick), "marginal KLs around the mix"), progress_label="kvbits tune",
+        **run,
     )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     base = kl["current"]

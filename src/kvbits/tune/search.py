@@ -326,7 +326,8 @@ def tune(
             logger.info("check: window %d/%d, %s measured", w + 1, windows, scheme)
 
         checked = evaluate(
-            model, data, context, measured, attn_layers=[], calibration=calibration, on_pass=measured_one, **check_run
+            model, data, context, measured, attn_layers=[], calibration=calibration, on_pass=measured_one,
+            progress_label="kvbits tune", **check_run,
         )  # fmt: skip
         by = {r["scheme"]: r for r in checked["results"]}
         log[-1]["measured_kl"] = by[mix.name]["kl"]
