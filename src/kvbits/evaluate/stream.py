@@ -202,7 +202,9 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     here (it holds nothing until its first update): a backend package that is not installed, or a model transformers'
     ``QuantizedCache`` refuses (sliding layers), is said before the reference's forward passes, not at the first
     window's peer (``PeerScheme.make_cache``'s errors), and so is a layer quanto can not group
-    (``PeerScheme.check_widths``)."""
+    (``PeerScheme.check_widths``). A mixed scheme overriding a layer the model lacks (``"int4-token,40=fp16"`` on a
+    30-layer model) is refused here too (``KVScheme.check_layer_count``): it was refused only by the simulator or the
+    cache, after the reference's forward pass and the schemes before it."""
     from kvbits.cache import attention_shape
     from kvbits.cache.cache import layer_windows
     from kvbits.plan.config import layer_heads
@@ -218,6 +220,7 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
             s.make_cache(config)
             s.check_widths(widths)
         else:
+            s.check_layer_count(n_layers)
             check_scheme_layer_head_dims(s, head_dims, windows)
             check_pre_rope_config(s, config)  # pre-RoPE keys on a model that rotates none (Zamba2, Falcon alibi)
 

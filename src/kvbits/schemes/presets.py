@@ -299,7 +299,9 @@ def _layer_index(text: str, spec: str, where: str) -> int:
 
 def _parse_mixed(spec: str) -> KVScheme:
     """``"BASE,L=SCHEME,L1-L2=SCHEME,..."`` -> ``mixed_scheme`` (layer ranges inclusive, indices below
-    ``MAX_LAYERS``), named by ``mixed_name``: every spelling of one scheme gets the one name."""
+    ``MAX_LAYERS``), named by ``mixed_name``: every spelling of one scheme gets the one name. Overrides naming
+    ``BASE`` itself are dropped (``"int4-token,0-1=fp16,2=int4-token"`` is ``"int4-token,0-1=fp16"``; with none
+    left, ``BASE``)."""
     base, *parts = (p.strip() for p in spec.split(","))
     layers: dict[int, str] = {}
     for part in parts:
@@ -321,7 +323,12 @@ def _parse_mixed(spec: str) -> KVScheme:
             if i in layers:
                 raise ValueError(f"mixed scheme {spec!r}: layer {i} is given twice")
             layers[i] = sub
+    # a layer given the base itself is stored as every other layer: kept, "int4-token,0=int4-token" got its own
+    # name beside "int4-token" (two rows of one scheme, check_unique_names blind to them)
+    layers = {i: sub for i, sub in layers.items() if sub != base}
     try:
+        if not layers:
+            return get_scheme(base)
         return mixed_scheme(base, layers, name=mixed_name(base, layers))
     except (ValueError, TypeError) as exc:  # a typo in one name: say which string it is in
         raise type(exc)(f"mixed scheme {spec!r}: {exc}") from exc
@@ -347,8 +354,11 @@ def _content(scheme: KVScheme) -> dict:
     """``scheme.to_dict()`` less what does not change the storage (``name``, ``description``,
     ``reference``, in the per-layer overrides too)."""
     d = {k: v for k, v in scheme.to_dict().items() if k not in ("name", "description", "reference")}
-    if "layers" in d:
-        d["layers"] = {i: _content(sub) for i, sub in scheme.layers}
+    if "layers" in d:  # an override storing what the base stores is no override (as _parse_mixed drops it)
+        flat = _content(scheme.replace(layers=()))
+        d["layers"] = {i: c for i, sub in scheme.layers if (c := _content(sub)) != flat}
+        if not d["layers"]:
+            del d["layers"]
     return d
 
 
