@@ -307,6 +307,31 @@ def test_every_preset_really_quantizes(scheme):
     assert rep["total_bytes"] == 2 * (want["key"] + want["value"])  # codebooks and static scales included
 
 
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", [CUSTOM, CUSTOM_TENSOR, "kivi-2", "int4-token", "int8-token"])
+def test_average_bits_is_what_each_further_block_really_costs(scheme):
+    """``average_bits`` (the asymptotic bits per element) equals the real bytes a cache gains per quantized token
+    once in its steady state: two lengths 4 blocks apart hold the same sinks and buffer, so their
+    ``memory_report()`` totals differ by 4 blocks of codes and metadata, per-block head / tensor scales included
+    (``CUSTOM``'s keys, ``CUSTOM_TENSOR``'s; dropping ``per_block_meta_bytes`` from ``average_bits`` passed every
+    test that compared it with itself or with presets, none of which has dynamic head / tensor scales)."""
+    from kvbits.schemes import average_bits
+
+    sch = scheme if isinstance(scheme, KVScheme) else get_scheme(scheme)
+    H, D = 2, 64
+    t1 = sch.sinks + sch.residual + 3 * sch.block
+    t2 = t1 + 4 * sch.block
+    k, v = rand_kv(1, H, t2, D, seed=21)
+    totals = []
+    for t in (t1, t2):
+        cache = QuantizedKVCache(scheme=sch, num_layers=1)
+        cache.update(k[:, :, :t], v[:, :, :t], 0)
+        totals.append(cache.memory_report()["total_bytes"])
+    per_element = 8 * (totals[1] - totals[0]) / (2 * (t2 - t1) * H * D)
+    assert average_bits(sch, head_dim=D, n_heads=H) == pytest.approx(per_element, rel=1e-12)
+
+
 @torch.no_grad()
 def test_pre_rope_keys_are_quantized_before_rope():
     """Gemma 3 config (sliding layer 0 and full layer 1 with different RoPE bases): post-RoPE keys fed
@@ -631,7 +656,7 @@ def test_crop():
     sliding = QuantizedKVCache(config=gemma_cfg(16), scheme="int8-token")
     for layer in (0, 1):
         sliding.update(k[:, :, :40], v[:, :, :40], layer)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sliding-window layer that already dropped 25 tokens"):
         sliding.crop(-1)
 
 

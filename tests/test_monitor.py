@@ -189,9 +189,10 @@ def test_int8_error_is_small_and_int2_larger() -> None:
 def test_policy_validation() -> None:
     for bad in ({"key_error": -1}, {"value_error": float("nan")}, {"key_error": True}, {"clipped_fraction": 2.0},
                 {"scope": "batch"}, {"patience": 0}, {"sample_every": 1.5}):  # fmt: skip
-        with pytest.raises(ValueError):
+        (field, value), = bad.items()
+        with pytest.raises(ValueError, match=rf"^{field} .*got {value!r}$"):
             FallbackPolicy(**bad)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="beyond_calibration must be a bool"):
         FallbackPolicy(beyond_calibration="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="FallbackPolicy"):
         CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), {"key_error": 0.1})  # type: ignore[arg-type]
