@@ -93,6 +93,7 @@ def test_an_artifact_without_the_records_loads_and_is_not_judged(model, calibrat
     meta = json.loads(meta_path.read_text())
     for key in ("sha256", "starts", "rows"):
         meta["data"].pop(key, None)
+    del meta["meta_sha256"]  # written before that was recorded too
     meta_path.write_text(json.dumps(meta))
     old = load_calibration(tmp_path / "cal")
     with caplog.at_level("WARNING", logger="kvbits.evaluate"):
@@ -349,7 +350,7 @@ def test_an_artifact_without_the_row_width_loads_and_counts_as_before(model, tmp
     art.save(tmp_path / "cal")
     meta_path = tmp_path / "cal" / "calibration.json"
     meta = json.loads(meta_path.read_text())
-    del meta["data"]["row_width"]
+    del meta["data"]["row_width"], meta["meta_sha256"]
     meta_path.write_text(json.dumps(meta))
     old = load_calibration(tmp_path / "cal")
     s = evaluate(model, ids, 32, ["kvquant-2"], windows=4, calibration=old, attn_layers=[])

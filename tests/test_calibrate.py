@@ -562,6 +562,39 @@ def test_edited_json_fields_are_refused(calibrated, tmp_path, path, value, messa
         load_calibration(d)
 
 
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [(("data", "context"), 4096),  # a longer calibrated context than was taken: fewer positions "beyond" it
+     (("stats", 0, "key_clip_rate"), 0.5),  # a statistic the reports and the export record show
+     (("percentile", ), 99.0),
+     (("model", "name"), "another-model")],
+)  # fmt: skip
+def test_an_edited_calibration_json_is_refused(calibrated, tmp_path, caplog, path, value):
+    """Only the tensor file was hashed: a calibration.json edited by hand (data.context 128 -> 4096, a statistic, the
+    percentile, the model's name) loaded silently, read as it stood. ``save`` now records ``meta_sha256`` (the
+    fields but created and timing_s) and ``load_calibration`` refuses a mismatch; one without it (written before)
+    loads with a logged note; a changed created / timing_s is not an edit."""
+    _, _, out = calibrated
+    d = tmp_path / "e"
+    shutil.copytree(out, d)
+    meta = json.loads((d / META_FILE).read_text())
+    assert isinstance(meta["meta_sha256"], str) and len(meta["meta_sha256"]) == 64
+    (d / META_FILE).write_text(json.dumps({**meta, "created": "2020-01-01T00:00:00+00:00", "timing_s": {}}))
+    load_calibration(d)
+    if path[0] == "stats":
+        assert path[-1] in meta["stats"][0]
+    edited = _edit(meta, path, value)
+    assert edited != meta
+    (d / META_FILE).write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match=r"calibration\.json was edited after it was written: its fields hash to"):
+        load_calibration(d)
+    del edited["meta_sha256"]  # as an artifact written before kvbits recorded it
+    (d / META_FILE).write_text(json.dumps(edited))
+    with caplog.at_level("INFO", logger="kvbits.calibrate.artifact"):
+        assert load_calibration(d).meta == edited
+    assert "records no meta_sha256" in caplog.text
+
+
 def test_wrong_model_or_scheme_is_reported(calibrated, tmp_path):
     _, art, out = calibrated
     d = tmp_path / "m"

@@ -903,3 +903,28 @@ def test_cli_without_checkpoint_says_how_to_serve(fp8, tmp_path, capsys):
     assert "<checkpoint>" not in printed
     assert f"serve: {out} holds the scales only" in printed and "rerun with --checkpoint DIR" in printed
     assert f"then: vllm serve {out} --kv-cache-dtype fp8\n" in printed
+
+
+def test_re_export_of_a_resaved_checkpoint_replaces_the_old_links(fp8, tmp_path):
+    """A re-export into the same --out kept the links of files the checkpoint no longer has: re-saved as one file,
+    seven dangling shard links and the old model.safetensors.index.json (naming those shards, not model.safetensors)
+    stayed, so vLLM would read the index and find none of its files. Now the files an earlier export made and this one
+    does not are removed (in the record's "removed"); weights it did not make are refused, by name."""
+    model, _, cal, sharded = fp8
+    ck, out = _copy(sharded, tmp_path / "ck"), tmp_path / "out"
+    export_vllm(cal, out, checkpoint=ck)
+    shards = sorted(p.name for p in ck.glob("model-*.safetensors"))
+    shutil.rmtree(ck)
+    model.save_pretrained(ck)  # one model.safetensors, no index
+    rec = export_vllm(cal, out, checkpoint=ck)
+    assert sorted(rec["checkpoint"]["removed"]) == sorted([*shards, "model.safetensors.index.json"])
+    assert not [p.name for p in out.iterdir() if p.is_symlink() and not p.exists()]  # no dangling link
+    assert sorted(p.name for p in out.glob("*.safetensors*")) == ["kv_cache_scales.safetensors", "model.safetensors"]
+    # another checkpoint's export into the same folder replaces its links too
+    rec = export_vllm(cal, out, checkpoint=sharded)
+    assert "model.safetensors" in rec["checkpoint"]["removed"]
+    assert all((out / s).resolve() == (sharded / s).resolve() for s in shards)
+    (out / "extra.safetensors").write_bytes(b"weights of mine")
+    with pytest.raises(ValueError, match=r"holds \['extra\.safetensors'\].*vLLM would load them"):
+        export_vllm(cal, out, checkpoint=sharded)
+    assert (out / "extra.safetensors").read_bytes() == b"weights of mine"

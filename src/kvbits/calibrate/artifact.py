@@ -17,7 +17,9 @@ The JSON records ``format_version``, ``kvbits_version``, the ``scheme``, the ``m
 to (fingerprint and shape; ``kv_layers``, the layers it holds, since format 2: a format 1 artifact holds every
 layer), the calibration ``data``, ``percentile``, ``fisher``, the creation date,
 per-layer statistics, and the size and sha256 of the tensor file, so a truncated or altered file is
-caught before use. Never pickle.
+caught before use, and ``meta_sha256``, the sha256 of the JSON's own fields (canonical form, less ``created`` and
+``timing_s``), so an edited field is too (an artifact written before it records none: it loads, with a logged
+note). Never pickle.
 
 Integration (cache, simulator)::
 
@@ -210,6 +212,17 @@ def describe_model(config: Any, *, fingerprint: str | None = None, name: str | N
         **d,
         "rope": rope_record(cfg),  # not hashed: the fingerprints of artifacts written before it stay valid
     }
+
+
+_UNHASHED = ("meta_sha256", "created", "timing_s")  # the hash itself, and fields that do not change what it means
+
+
+def meta_sha256(meta: Mapping[str, Any]) -> str:
+    """The sha256 of ``meta`` (a parsed ``calibration.json``) less ``_UNHASHED``, as canonical JSON (sorted keys,
+    no spaces, non-finite floats as ``dumps`` writes them): what ``save`` records as ``meta_sha256`` and
+    ``load_calibration`` checks."""
+    kept = {k: v for k, v in meta.items() if k not in _UNHASHED}
+    return hashlib.sha256(dumps(kept, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _file_sha256(path: Path) -> str:
@@ -557,6 +570,7 @@ class CalibrationArtifact:
             )
             meta["files"] = {TENSORS_FILE: {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}
             try:
+                meta["meta_sha256"] = meta_sha256(loads(dumps(meta)))  # of the fields as load_calibration reads them
                 text = dumps(meta, indent=1, sort_keys=True) + "\n"
             except (TypeError, ValueError) as exc:
                 problem, refused = f"meta is not JSON: {exc}", ""
@@ -813,4 +827,26 @@ def load_calibration(
         from kvbits.schemes.presets import get_scheme
 
         art.check_scheme(get_scheme(scheme))
+    _check_meta_sha256(meta, meta_path)  # last: a field edited into something refused is named by that refusal
     return art
+
+
+def _check_meta_sha256(meta: dict[str, Any], meta_path: Path) -> None:
+    """``ValueError`` unless ``meta``'s fields hash to the ``meta_sha256`` it records (``meta_sha256``): a field
+    edited by hand (a scheme field, a statistic, the calibrated context) was read as it stood. An artifact that
+    records none (written before kvbits recorded it) is read unchecked, with a logged note."""
+    recorded = meta.get("meta_sha256")
+    if recorded is None:
+        logger.info(
+            "%s records no meta_sha256 (written by kvbits %s, before it did): its fields are read unchecked",
+            meta_path,
+            meta.get("kvbits_version", "?"),
+        )
+        return
+    actual = meta_sha256(meta)
+    if recorded != actual:
+        raise ValueError(
+            f"{meta_path} was edited after it was written: its fields hash to meta_sha256 {actual}, it records "
+            f"{recorded!r} (only created and timing_s may change); re-run kvbits calibrate (or, to read an edit you "
+            "made on purpose unchecked, delete its meta_sha256)"
+        )

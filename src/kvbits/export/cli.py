@@ -36,7 +36,8 @@ says so), an error kvbits' figures (queries kept at the model's precision) leave
 checkpoint: DIR's files linked, config.json (and model.safetensors.index.json, when DIR has one) written
 with the scales added. DIR's config.json must match the calibrated model's (layers, KV heads, the shape fields the
 calibration records); its weights are not compared, so give the checkpoint the calibration was made on (a fine-tune
-of the same architecture is accepted, and its scales may be wrong). A failed export leaves --out as it was.
+of the same architecture is accepted, and its scales may be wrong). A failed export leaves --out as it was; a re-export
+replaces the links and index an earlier one made there (weights it did not make are refused).
 Without --checkpoint, --out holds the scales alone, which vLLM does not serve (the command says so).
 Serve a --checkpoint export with: vllm serve <out> --kv-cache-dtype fp8, without --calculate-kv-scales (vLLM
 versions that have it then compute scales from the first batch and skip the exported ones).

@@ -55,6 +55,9 @@ scale names added (vLLM loads only the files the index names). Such a checkpoint
 compressed-tensors quantization: transformers then needs the ``compressed-tensors`` package to load it.
 The files are staged in a hidden folder inside ``out_dir`` and moved in at the end: an export that fails
 leaves ``out_dir`` as it was (a previous export's files put back), never a partial export.
+A re-export into the same ``out_dir`` replaces the links an earlier export made (its ``kvbits_export.json``
+names them) and removes those it does not make again (the shards of a checkpoint since re-saved, an index it no
+longer has); weights or an index it did not make are refused, by name (vLLM would load them too).
 """
 
 from __future__ import annotations
@@ -368,18 +371,63 @@ def _servable(
         written[index_path.name] = index
     sources = [src for src in sorted(checkpoint.iterdir())
                if src.name not in written and src.name not in (SCALES_FILE, CONFIG_FILE, RECORD_FILE)]  # fmt: skip
+    linked, ours = _previous_export(out)
     for src in sources:  # every clash refused before anything is written: a refusal leaves --out as it was
         dst = out / src.name
-        if (dst.is_symlink() or dst.exists()) and not (dst.is_symlink() and dst.resolve() == src.resolve()):
-            raise ValueError(f"{dst} exists and is not a link to {src}; export into an empty folder")
-    links = {src.name: src.resolve() for src in sources if not (out / src.name).is_symlink()}
-    return written, links, {"linked": [src.name for src in sources], "written": [*written, SCALES_FILE]}
+        if (dst.is_symlink() or dst.exists()) and not (dst.is_symlink() and (dst.name in linked or _same(dst, src))):
+            raise ValueError(
+                f"{dst} exists and is not a link to {src} (nor one an earlier export made); export into an empty folder"
+            )
+    links = {src.name: src.resolve() for src in sources if not _same(out / src.name, src)}
+    names = {src.name for src in sources} | set(written) | {SCALES_FILE, CONFIG_FILE, RECORD_FILE}
+    present = sorted(out.iterdir()) if out.is_dir() else []
+    stale = sorted(p.name for p in present if p.name not in names and (p.is_symlink() or p.is_file())
+                   and (p.name in ours or _WEIGHT_FILE.search(p.name)))  # fmt: skip
+    foreign = [name for name in stale if name not in ours]
+    if foreign:
+        raise ValueError(
+            f"{out} holds {foreign[:3]}{' ...' if len(foreign) > 3 else ''}, which {checkpoint} does not and no "
+            "earlier export here made; vLLM would load them (or an index naming other files) with this checkpoint: "
+            "remove them or export into an empty folder"
+        )
+    return written, links, {
+        "linked": [src.name for src in sources], "written": [*written, SCALES_FILE], "removed": stale,
+    }  # fmt: skip
 
 
-def _install(out: Path, scales: dict[str, torch.Tensor], jsons: dict[str, Any], links: dict[str, Path]) -> None:
+# files of a checkpoint folder vLLM's loader reads (weights, their index): one left over in --out would be loaded
+_WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth)$|\.index\.json$")
+
+
+def _same(dst: Path, src: Path) -> bool:
+    """Whether ``dst`` is a link resolving to ``src`` (the link an earlier export of ``src`` made)."""
+    return dst.is_symlink() and dst.resolve() == src.resolve()
+
+
+def _previous_export(out: Path) -> tuple[set[str], set[str]]:
+    """The names an earlier ``--checkpoint`` export into ``out`` linked, and those it linked or wrote, from its
+    ``kvbits_export.json`` (empty sets when there is none, or it is not such a record: nothing is then taken as
+    ours). A re-export replaces those links and removes those of them it does not make again: a checkpoint
+    re-saved with other shards, or another checkpoint, left the old shards' links (dangling, or loaded beside
+    the new weights) and an index naming them."""
+    try:
+        record = loads((out / RECORD_FILE).read_text(encoding="utf-8"))
+        files = record["checkpoint"]
+        linked = {n for n in files["linked"] if isinstance(n, str) and n == Path(n).name}
+        written = {n for n in files["written"] if isinstance(n, str) and n == Path(n).name}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return set(), set()
+    linked = {n for n in linked if (out / n).is_symlink()}  # a file of the user's under a linked name stays
+    return linked, linked | written
+
+
+def _install(
+    out: Path, scales: dict[str, torch.Tensor], jsons: dict[str, Any], links: dict[str, Path], remove: list[str]
+) -> None:
     """Write into ``out`` all or nothing: ``links`` (``{name: target}``), ``scales`` as ``SCALES_FILE`` and
     ``jsons`` (``{name: object}``, written in that order, after the scales) are first made in a hidden staging
-    folder inside ``out``, then moved in; when any step fails, what was moved in is taken out again and the files
+    folder inside ``out``, then moved in, and ``remove`` (an earlier export's files this one does not make again)
+    moved out; when any step fails, what was moved in is taken out again and the files
     it replaced (a previous export's) are put back, so a failure leaves ``out`` as it was: no partial export a
     user (or vLLM) could load."""
     folders = [name for name in [*links, SCALES_FILE, *jsons] if (out / name).is_dir() and not (out / name).is_symlink()]
@@ -400,9 +448,13 @@ def _install(out: Path, scales: dict[str, torch.Tensor], jsons: dict[str, Any], 
                 os.replace(dst, backup)
             moved.append((dst, backup))
             os.replace(stage / name, dst)
+        for name in remove:
+            backup = stage / f".old.{name}"
+            os.replace(out / name, backup)
+            moved.append((out / name, backup))
     except BaseException:
         for dst, backup in reversed(moved):
-            dst.unlink(missing_ok=True)  # the new file, or nothing when its move failed
+            dst.unlink(missing_ok=True)  # the new file, or nothing when its move failed (or it was removed)
             if backup is not None:
                 os.replace(backup, dst)
         raise
@@ -672,7 +724,7 @@ def export_vllm(
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        _install(out, scales, jsons, links)
+        _install(out, scales, jsons, links, record.get("checkpoint", {}).get("removed", []))
     except BaseException:
         if created and not any(out.iterdir()):  # a failed export leaves no empty --out behind
             out.rmdir()
