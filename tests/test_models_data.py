@@ -153,6 +153,18 @@ def test_missing_text_file_and_data_path_say_so(tmp_path: Path) -> None:
         load_text("pride-and-prejudice", data_path=tmp_path / "nope")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_a_path_that_is_no_regular_file_is_named_not_missing(tmp_path: Path) -> None:
+    """A FIFO (``--data <(zcat text.gz)``) or a device (``/dev/null``) exists but is no regular file: it was reported
+    as "does not exist", sending the user to look for a typo in a path that is right."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for spec in (str(fifo), os.devnull):
+        with pytest.raises(ValueError, match="is not a regular file") as info:
+            load_text(spec)
+        assert "does not exist" not in str(info.value)
+
+
 def test_local_text_file(tmp_path: Path) -> None:
     raw = "line one\r\nline two — ünïcode\n".encode()
     path = tmp_path / "mine.txt"

@@ -273,7 +273,8 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
         ValueError: unknown spec, a text file that does not exist, a registry file that is not
             byte-exact, text that is not UTF-8 (a NUL character included; a compressed, Parquet or tensor file
             is named), a ``.json``/``.jsonl`` file holding JSON, a text file or hub dataset that is empty or
-            whitespace alone, or a ``data_path`` that is not a folder.
+            whitespace alone, a path that is not a regular file (a folder, a pipe, a device), or a ``data_path``
+            that is not a folder.
         FileNotFoundError: a registry text missing from every data root.
     """
     if not isinstance(spec, str) or not spec:
@@ -308,6 +309,11 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
         return TextSource(path.stem, text, hashlib.sha256(raw).hexdigest(), str(path.resolve()))
     if path.is_dir():
         raise ValueError(f"text {spec!r} is a folder; expected a text file, or one of {sorted(TEXTS)}")
+    if path.exists():  # a FIFO, /dev/stdin, a device: it exists, so "does not exist" would mislead
+        raise ValueError(
+            f"text {spec!r} is not a regular file (a pipe, a device or a socket); expected a UTF-8 text file: "
+            "write the text out to one"
+        )
     if "/" in spec or os.sep in spec or path.suffix:  # meant as a path: say the file is missing
         raise ValueError(
             f"text file {spec!r} does not exist; expected a path to a UTF-8 text file, or one of "
