@@ -315,6 +315,20 @@ def test_make_windows_too_many_warns(caplog: pytest.LogCaptureFixture) -> None:
     assert "only 3" in caplog.text
 
 
+def test_make_windows_takes_numpy_integers() -> None:
+    """``context`` / ``n_windows`` as NumPy integers (from ``np.arange`` or an array of lengths; ``evaluate``'s own
+    ``check_int`` takes them) were refused as "must be a positive int, got np.int64(8)"."""
+    import numpy as np
+
+    ids = torch.arange(20)
+    win = make_windows(ids, np.int64(8), np.int32(2))
+    assert win.shape == (2, 8) and torch.equal(win, make_windows(ids, 8, 2))
+    with pytest.raises(ValueError, match="context must be a positive int"):
+        make_windows(ids, np.int64(0))
+    with pytest.raises(ValueError, match="context must be a positive int"):
+        make_windows(ids, np.float64(8.0))
+
+
 def test_make_windows_too_short_raises() -> None:
     with pytest.raises(ValueError, match="999 tokens"):
         make_windows(torch.arange(999), 1000, 1)

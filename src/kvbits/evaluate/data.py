@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -440,8 +441,8 @@ def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) 
 
     Args:
         ids: token ids, shape ``(N,)``.
-        context: tokens per window.
-        n_windows: how many windows; None for as many as fit. More than fit gives what fits and a
+        context: tokens per window (a Python or NumPy integer).
+        n_windows: how many windows (an integer); None for as many as fit. More than fit gives what fits and a
             logged warning.
 
     Returns:
@@ -457,11 +458,13 @@ def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) 
         got = f"{type(ids).__name__} {tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) \
             else type(ids).__name__
         raise TypeError(f"ids must be a 1-D integer tensor of shape (N,), got {got}")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+    # a Python or NumPy integer (numbers.Integral: np.int64 from an array of lengths), not a bool
+    if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 1:
         raise ValueError(f"context must be a positive int, got {context!r}")
-    if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, int)
+    if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, numbers.Integral)
                                   or n_windows < 1):
         raise ValueError(f"n_windows must be a positive int or None, got {n_windows!r}")
+    context, n_windows = int(context), None if n_windows is None else int(n_windows)
     fit = ids.numel() // context
     if fit == 0:
         raise ValueError(
