@@ -153,6 +153,18 @@ def test_missing_text_file_and_data_path_say_so(tmp_path: Path) -> None:
         load_text("pride-and-prejudice", data_path=tmp_path / "nope")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_a_path_that_is_no_regular_file_is_named_not_missing(tmp_path: Path) -> None:
+    """A FIFO (``--data <(zcat text.gz)``) or a device (``/dev/null``) exists but is no regular file: it was reported
+    as "does not exist", sending the user to look for a typo in a path that is right."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for spec in (str(fifo), os.devnull):
+        with pytest.raises(ValueError, match="is not a regular file") as info:
+            load_text(spec)
+        assert "does not exist" not in str(info.value)
+
+
 def test_local_text_file(tmp_path: Path) -> None:
     raw = "line one\r\nline two — ünïcode\n".encode()
     path = tmp_path / "mine.txt"
@@ -301,6 +313,20 @@ def test_make_windows_too_many_warns(caplog: pytest.LogCaptureFixture) -> None:
         w = make_windows(torch.arange(1000), 300, 10)
     assert w.shape == (3, 300)
     assert "only 3" in caplog.text
+
+
+def test_make_windows_takes_numpy_integers() -> None:
+    """``context`` / ``n_windows`` as NumPy integers (from ``np.arange`` or an array of lengths; ``evaluate``'s own
+    ``check_int`` takes them) were refused as "must be a positive int, got np.int64(8)"."""
+    import numpy as np
+
+    ids = torch.arange(20)
+    win = make_windows(ids, np.int64(8), np.int32(2))
+    assert win.shape == (2, 8) and torch.equal(win, make_windows(ids, 8, 2))
+    with pytest.raises(ValueError, match="context must be a positive int"):
+        make_windows(ids, np.int64(0))
+    with pytest.raises(ValueError, match="context must be a positive int"):
+        make_windows(ids, np.float64(8.0))
 
 
 def test_make_windows_too_short_raises() -> None:

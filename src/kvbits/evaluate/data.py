@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -273,7 +274,8 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
         ValueError: unknown spec, a text file that does not exist, a registry file that is not
             byte-exact, text that is not UTF-8 (a NUL character included; a compressed, Parquet or tensor file
             is named), a ``.json``/``.jsonl`` file holding JSON, a text file or hub dataset that is empty or
-            whitespace alone, or a ``data_path`` that is not a folder.
+            whitespace alone, a path that is not a regular file (a folder, a pipe, a device), or a ``data_path``
+            that is not a folder.
         FileNotFoundError: a registry text missing from every data root.
     """
     if not isinstance(spec, str) or not spec:
@@ -308,6 +310,11 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
         return TextSource(path.stem, text, hashlib.sha256(raw).hexdigest(), str(path.resolve()))
     if path.is_dir():
         raise ValueError(f"text {spec!r} is a folder; expected a text file, or one of {sorted(TEXTS)}")
+    if path.exists():  # a FIFO, /dev/stdin, a device: it exists, so "does not exist" would mislead
+        raise ValueError(
+            f"text {spec!r} is not a regular file (a pipe, a device or a socket); expected a UTF-8 text file: "
+            "write the text out to one"
+        )
     if "/" in spec or os.sep in spec or path.suffix:  # meant as a path: say the file is missing
         raise ValueError(
             f"text file {spec!r} does not exist; expected a path to a UTF-8 text file, or one of "
@@ -434,8 +441,8 @@ def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) 
 
     Args:
         ids: token ids, shape ``(N,)``.
-        context: tokens per window.
-        n_windows: how many windows; None for as many as fit. More than fit gives what fits and a
+        context: tokens per window (a Python or NumPy integer).
+        n_windows: how many windows (an integer); None for as many as fit. More than fit gives what fits and a
             logged warning.
 
     Returns:
@@ -451,11 +458,13 @@ def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) 
         got = f"{type(ids).__name__} {tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) \
             else type(ids).__name__
         raise TypeError(f"ids must be a 1-D integer tensor of shape (N,), got {got}")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+    # a Python or NumPy integer (numbers.Integral: np.int64 from an array of lengths), not a bool
+    if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 1:
         raise ValueError(f"context must be a positive int, got {context!r}")
-    if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, int)
+    if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, numbers.Integral)
                                   or n_windows < 1):
         raise ValueError(f"n_windows must be a positive int or None, got {n_windows!r}")
+    context, n_windows = int(context), None if n_windows is None else int(n_windows)
     fit = ids.numel() // context
     if fit == 0:
         raise ValueError(
