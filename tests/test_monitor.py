@@ -444,6 +444,26 @@ def test_beyond_calibration_is_reported_once_per_layer() -> None:
         assert "kvbits_tokens_beyond_calibration{" in mon.prometheus()
 
 
+def test_beyond_calibration_without_a_calibrated_length_is_said_at_start(caplog) -> None:
+    """An artifact that does not record its longest context (``max_calibrated_length`` None), or none at all: the
+    beyond_calibration signal can never fire, and the monitor says so once when it is attached, not silently."""
+    model, ids = llama(), ids_of(1, 160)
+    for calibration, why in ((SimpleNamespace(max_calibrated_length=None), "does not record"), (None, "is missing")):
+        cache = QuantizedKVCache(config=model.config, scheme="kivi-4")
+        cache.calibration = calibration
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvbits"):
+            mon = CacheMonitor(cache, FallbackPolicy(beyond_calibration=True))
+            run(model, cache, ids, decode=40)
+        said = [r.getMessage() for r in caplog.records if "beyond_calibration" in r.getMessage()]
+        assert len(said) == 1 and why in said[0] and "max_calibrated_length" in said[0]
+        assert mon.held_layers() == [] and not mon.events
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits"):  # the signal off: nothing to say
+        CacheMonitor(QuantizedKVCache(config=model.config, scheme="kivi-4"), FallbackPolicy())
+    assert not caplog.records
+
+
 def test_beyond_calibration_holds_after_patience_flushes() -> None:
     """Every flush past the calibrated length counts towards ``patience``: with 2, the layer is held at its second
     such flush (said then, besides the first report), not never."""

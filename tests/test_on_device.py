@@ -167,3 +167,52 @@ def test_entry_points_given_a_model_make_its_device_current(
     with pytest.raises(Exception):  # noqa: B017 - the stand-in model fails somewhere inside; only the device matters
         call()
     assert recorder.entered[:1] == [1] and recorder.current is None
+
+
+class _FakeCuda:
+    """Stand-in for ``torch.cuda``'s current device: ``set_device`` records, ``current_device`` reads it."""
+
+    def __init__(self, current: int) -> None:
+        self.current, self.set = current, []
+
+    def set_device(self, device: Any) -> None:
+        index = torch.device(device).index if not isinstance(device, int) else device
+        self.set.append(index)
+        self.current = index
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_distributed_evaluate_restores_the_callers_current_cuda_device(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank of a distributed evaluate (torchrun script, notebook) with cuda:1 current: ``Ranks.device`` makes the
+    rank's device current (``cuda`` -> ``cuda:$LOCAL_RANK``, here 0; an explicit ``cuda:0``), and it stayed so after
+    evaluate returned or raised; the caller's cuda:1 is current again now. No GPU here: CUDA's current device is a
+    stand-in and the run stops where the model is looked up, after the device was set."""
+    from kvbits.evaluate import runner
+    from kvbits.evaluate.distributed import Ranks
+
+    class TwoRanks(Ranks):  # rank 0 of 2, its collectives answered locally (every rank agrees)
+        def gather(self, obj: Any) -> list[Any]:
+            return [obj] * self.world
+
+        def from_main(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+    cuda = _FakeCuda(current=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: cuda.current)
+    monkeypatch.setattr(torch.cuda, "set_device", cuda.set_device)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(runner, "resolve_ranks", lambda distributed: TwoRanks(rank=0, world=2, backend="gloo"))
+
+    def looked(spec: str, **_: Any) -> None:
+        assert cuda.current == 0  # the rank's device, current while it runs
+        raise _Looked(spec)
+
+    monkeypatch.setattr(source, "fetch_offline_model", looked)
+    with pytest.raises(_Looked):
+        runner.evaluate("smollm2-135m", "wikitext2", 64, ["fp16"], device=device, distributed=True)
+    assert cuda.set[0] == 0 and cuda.current == 1

@@ -49,3 +49,19 @@ def test_the_calibrate_summary_does_not_print_a_small_clip_rate_as_zero(capsys):
     assert len(rows) == 2, rows
     assert "<0.001%" in rows[0] and "0.000%" not in rows[0], rows[0]
     assert "0.000%" in rows[1], rows[1]
+
+
+@pytest.mark.parametrize(("record", "error"), [
+    ({"integer_zero": 1}, r"vllm-int4: calibration\.integer_zero is a number \(1\); expected a list"),
+    ({"positions_beyond_calibrated": -5}, r"calibration\.positions_beyond_calibrated is a number \(-5\); expected a whole"),
+    ({"max_calibrated_length": -1}, r"calibration\.max_calibrated_length is a number \(-1\); expected a whole"),
+])  # fmt: skip
+def test_a_malformed_calibration_record_is_a_clear_error(record, error):
+    """A record passed straight to ``calibration_row`` (not through ``RunSummary``, which names the file): a
+    non-list ``integer_zero`` raised TypeError ('int' object is not iterable), a negative count was shown as
+    "serves -5 ... positions beyond"; both are a ValueError naming the field."""
+    from kvbits.report.calibration import calibration_row
+
+    with pytest.raises(ValueError, match=error):
+        calibration_row("vllm-int4", record, 200)
+    assert calibration_row("vllm-int4", {"integer_zero": ["keys"], "positions_beyond_calibrated": 0}, 200).beyond == 0

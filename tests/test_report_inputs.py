@@ -230,6 +230,10 @@ def _lo_text(s: dict[str, Any]) -> None:
     s["results"][2]["buckets"][0]["lo"] = "abc"
 
 
+def _calibration(**record: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda s: s["results"][1].__setitem__("calibration", {"clipped_keys": 3, **record})
+
+
 SUMMARY_CORRUPTIONS = {
     "bucket without lo": (_del("results", 1, "buckets", 0, "lo"), r"results\[1\]\.buckets\[0\]\.lo is missing"),
     "attn bucket without lo": (
@@ -241,6 +245,14 @@ SUMMARY_CORRUPTIONS = {
     "results of strings": (_set("results", ["x"]), r"results\[0\] is a string \('x'\); expected a scheme result"),
     "results a string": (_set("results", "x"), r"results is a string \('x'\); expected a list"),
     "fingerprint a string": (_set("fingerprint", "abc"), r"fingerprint is a string \('abc'\); expected an object"),
+    # a TypeError deep in the calibration table; "serves -5 positions per window beyond" in the report
+    "integer_zero a number": (
+        _calibration(integer_zero=1), r"results\[1\]\.calibration\.integer_zero is a number \(1\); expected a list"
+    ),
+    "negative positions beyond": (
+        _calibration(max_calibrated_length=100, positions_beyond_calibrated=-5),
+        r"results\[1\]\.calibration\.positions_beyond_calibrated is a number \(-5\); expected a whole number >= 0",
+    ),
 }
 
 

@@ -50,7 +50,7 @@ import torch
 if torch.distributed.is_available():
     import torch.distributed.nn  # before any process group exists (module docstring)
 
-__all__ = ["RankFailed", "Ranks", "init_from_env", "resolve_ranks"]
+__all__ = ["RankFailed", "Ranks", "init_from_env", "kept_cuda_device", "resolve_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,8 @@ class Ranks:
     def device(self, device: str | None) -> str | None:
         """The device this rank loads the model on: ``"cuda"`` (no index) becomes
         ``cuda:$LOCAL_RANK`` (``rank % device_count`` without it) and is made current, as torchrun
-        scripts do; an explicit ``cuda:N``, ``"cpu"`` and None are kept."""
+        scripts do; an explicit ``cuda:N``, ``"cpu"`` and None are kept. Made current for the caller's whole run:
+        ``evaluate`` restores the device that was current before it on return (:func:`kept_cuda_device`)."""
         if not self.active or device is None:
             return device
         dev = torch.device(device)
@@ -194,6 +195,22 @@ class Ranks:
             dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
         return str(dev)
+
+
+@contextmanager
+def kept_cuda_device() -> Iterator[None]:
+    """Make the caller's current CUDA device current again on the way out (returned or raised): a rank's
+    :meth:`Ranks.device` (and :func:`init_from_env`) make its device current, as torchrun scripts do, which in a
+    process that goes on (a torchrun script that evaluates and then runs its own collectives or kernels on the device
+    it chose, a notebook) would otherwise stay changed. CUDA not initialized before: its default device, 0, is restored
+    where something made another current. Never initializes CUDA itself; once per run, no per-step cost."""
+    before = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        restore = 0 if before is None else before
+        if torch.cuda.is_initialized() and torch.cuda.current_device() != restore:
+            torch.cuda.set_device(restore)
 
 
 def _warn_if_group_is_caught() -> None:
@@ -333,16 +350,17 @@ def init_from_env(device: str | None) -> Iterator[bool]:
         yield False
         return
     cuda = str(device).startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    store, rank, world = _rendezvous(world)
-    # once every rank is here, a rank may wait for another for about one window (hours for long
-    # stream-mode windows on a CPU)
-    store.set_timeout(_COLLECTIVE_TIMEOUT)
-    dist.init_process_group(
-        backend="nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=_COLLECTIVE_TIMEOUT
-    )
-    try:
-        yield True
-    finally:
-        dist.destroy_process_group()
+    with kept_cuda_device():  # cuda:$LOCAL_RANK current for the group's life only
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store, rank, world = _rendezvous(world)
+        # once every rank is here, a rank may wait for another for about one window (hours for long
+        # stream-mode windows on a CPU)
+        store.set_timeout(_COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=_COLLECTIVE_TIMEOUT
+        )
+        try:
+            yield True
+        finally:
+            dist.destroy_process_group()

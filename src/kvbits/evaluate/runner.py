@@ -63,7 +63,7 @@ from kvbits._json import dumps
 from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
 from kvbits.evaluate.calib_text import calibrated_on_eval_text, warn_calibrated_on_eval_text, warn_stored
 from kvbits.evaluate.data import load_text
-from kvbits.evaluate.distributed import resolve_ranks
+from kvbits.evaluate.distributed import kept_cuda_device, resolve_ranks
 from kvbits.evaluate.generation import (
     check_can_generate,
     check_generate,
@@ -207,6 +207,7 @@ def _check_head(model: Any, base: Any, head: LogitHead, ids: torch.Tensor) -> No
 
 
 @runs_on_device
+@kept_cuda_device()  # a rank's Ranks.device makes its device current; the caller's is current again after
 def evaluate(
     model: Any,
     data: Any,

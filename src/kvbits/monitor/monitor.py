@@ -98,6 +98,14 @@ class CacheMonitor:
             )
         self.cache = cache
         self.policy = policy or FallbackPolicy()
+        if self.policy.beyond_calibration and self.calibrated_length() is None:  # the signal could never fire
+            logger.warning(
+                "CacheMonitor: beyond_calibration is set, and the cache's calibration %s, so no layer is ever held "
+                "past it: give the cache an artifact that records its max_calibrated_length (a kvbits calibrate "
+                "folder), or drop beyond_calibration",
+                "does not record the longest context it saw" if getattr(cache, "calibration", None) is not None
+                else "is missing (no artifact installed)",
+            )
         for name in labels or {}:
             check_label_name(name, " (CacheMonitor labels)", RESERVED_LABELS)
         self.labels = {"scheme": cache.scheme.name, **{k: str(v) for k, v in (labels or {}).items()}}

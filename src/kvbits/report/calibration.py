@@ -38,7 +38,7 @@ from typing import Any
 from kvbits._json import loads
 from kvbits.report.fmt import NA, _num, _ok
 from kvbits.report.inline import text
-from kvbits.report.summary import RunSummary, SchemeResult
+from kvbits.report.summary import RunSummary, SchemeResult, calibration_record
 from kvbits.report.tables import Cell, TableData
 
 __all__ = [
@@ -239,7 +239,9 @@ def calibration_row(
     scheme: str, record: Mapping[str, Any], context: int, artifact: Mapping[str, Any] | None = None
 ) -> CalibrationRow:
     """The row of one scheme from its calibration record (``results[].calibration``) and the run's
-    context; ``artifact`` stands in for the record's ``artifact`` when it has none."""
+    context; ``artifact`` stands in for the record's ``artifact`` when it has none. ``ValueError`` naming the field
+    of a malformed record (:func:`~.summary.calibration_record`)."""
+    record = calibration_record(record, f"{scheme}: calibration")
     rec = record.get("artifact") if isinstance(record.get("artifact"), Mapping) else artifact
     rec = rec or {}
     length = _count(record.get("max_calibrated_length"))

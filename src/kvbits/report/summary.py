@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbits._json import json_object, loads, mapping, objects, whole
+from kvbits._json import describe, json_object, loads, mapping, objects, whole
 from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bucket_label, fmt_bytes
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "AttnLayer", "Bucket", "EntropyLayer", "Generation", "RunSummary", "SchemeResult", "log_non_finite", "read_json",
+    "AttnLayer", "Bucket", "EntropyLayer", "Generation", "RunSummary", "SchemeResult", "calibration_record", "log_non_finite",
+    "read_json",
 ]
 
 
@@ -218,9 +219,29 @@ class SchemeResult:
             ppl_ref=_num(d.get("ppl_ref")), kl=_num(d.get("kl")), top1=_num(d.get("top1")),
             seconds=_num(d.get("seconds")), buckets=buckets, attn=attn, entropy=entropy,
             generation=Generation.from_dict(gen) if isinstance(gen, Mapping) else None,
-            calibration=dict(d.get("calibration") or {}) if isinstance(d.get("calibration"), Mapping) else {},
+            calibration=calibration_record(d.get("calibration"), f"{where}.calibration"),
             decode=dict(d["decode"]) if isinstance(d.get("decode"), Mapping) else None,
         )
+
+
+_CALIBRATION_COUNTS = ("max_calibrated_length", "positions_beyond_calibrated")
+
+
+def calibration_record(value: Any, where: str = "calibration") -> dict[str, Any]:
+    """``results[].calibration`` as a dict: ``{}`` when absent (or not an object: runs without one). ``ValueError``
+    naming ``where.field`` for a field the report would misread: ``integer_zero`` that is not a list (of ``"keys"`` /
+    ``"values"``), a negative ``max_calibrated_length`` or ``positions_beyond_calibrated`` (the evaluator writes
+    counts >= 0; a hand-edited -5 printed "serves -5 positions beyond")."""
+    if not isinstance(value, Mapping):
+        return {}
+    sides = value.get("integer_zero")
+    if sides is not None and not isinstance(sides, list):
+        raise ValueError(f"{where}.integer_zero is {describe(sides)}; expected a list of \"keys\" / \"values\"")
+    for key in _CALIBRATION_COUNTS:
+        n = _num(value.get(key))
+        if _ok(n) and n < 0:
+            raise ValueError(f"{where}.{key} is {describe(value[key])}; expected a whole number >= 0")
+    return dict(value)
 
 
 def _attn_layer(a: Mapping[str, Any], index: int, where: str) -> AttnLayer:
