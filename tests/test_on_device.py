@@ -7,6 +7,8 @@ looked up. Untested on a multi-GPU machine."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -180,6 +182,15 @@ class _FakeCuda:
         self.set.append(index)
         self.current = index
 
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:  # torch.cuda.device(index): current inside, restored after
+        before = self.current
+        self.set_device(index)
+        try:
+            yield
+        finally:
+            self.set_device(before)
+
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_distributed_evaluate_restores_the_callers_current_cuda_device(
@@ -205,6 +216,7 @@ def test_distributed_evaluate_restores_the_callers_current_cuda_device(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: cuda.current)
     monkeypatch.setattr(torch.cuda, "set_device", cuda.set_device)
+    monkeypatch.setattr(torch.cuda, "device", cuda.device)  # on_device's cuda:N (runs_on_device)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(runner, "resolve_ranks", lambda distributed: TwoRanks(rank=0, world=2, backend="gloo"))
 
