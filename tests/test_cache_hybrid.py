@@ -372,7 +372,7 @@ def test_zamba2s_shared_attention_block_has_no_attention_error_to_measure(caplog
         out = evaluate(model, ids, 32, ["int4-token"])
     assert out["results"][0]["attn_error"] == []
     assert "no attention error / entropy is recorded" in caplog.text and "Zamba2Attention is shared" in caplog.text
-    with pytest.raises(ValueError, match=r"attn_layers=\[1\] \(CLI: --attn-layers\): Zamba2ForCausalLM's attention "
+    with pytest.raises(ValueError, match=r"attn_layers=\[1\]: Zamba2ForCausalLM's attention "
                        r"block Zamba2Attention is shared by its hybrid layers \[1, 3\]"):
         evaluate(model, ids, 32, ["int4-token"], attn_layers=[1])
 

@@ -1654,14 +1654,14 @@ def test_calibrate_refuses_a_folder_holding_a_calibration(tmp_path, capsys):
 
     model, out = tiny_llama(), tmp_path / "cal"
     calibrate(model, token_ids(), "kvquant-4", context=64, windows=1, fisher=False, out_dir=str(out))
-    with pytest.raises(ValueError, match=r"already holds a calibration \(scheme kvquant-4.*--overwrite"):
+    with pytest.raises(ValueError, match=r"already holds a calibration \(scheme kvquant-4.*overwrite=True"):
         calibrate(model, token_ids(), "fp8-e4m3", context=64, windows=1, fisher=False, out_dir=str(out))
     assert json.loads((out / META_FILE).read_text())["scheme"]["name"] == "kvquant-4"
     argv = ["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", "d.txt", "--scheme", "fp8-e4m3",
             "--out", str(out)]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "already holds a calibration" in err and "no-such-model" not in err, err
+    assert "already holds a calibration" in err and "--overwrite" in err and "no-such-model" not in err, err
     art = calibrate(model, token_ids(), "fp8-e4m3", context=64, windows=1, fisher=False, out_dir=str(out),
                     overwrite=True)  # fmt: skip
     assert json.loads((out / META_FILE).read_text())["scheme"]["name"] == "fp8-e4m3" == art.scheme.name

@@ -892,7 +892,7 @@ def test_eval_attn_layers_out_of_range_names_the_flag(tmp_path, capsys, monkeypa
     argv = ["eval", "--model", str(folder), "--data", str(text), "--context", "64", "--scheme", "int4-token",
             "--no-progress", "--attn-layers", "7"]  # fmt: skip
     assert main(argv) == 2
-    assert "attn_layers (CLI: --attn-layers) must be in [0, 2), got [7]" in capsys.readouterr().err
+    assert "--attn-layers must be in [0, 2), got [7]" in capsys.readouterr().err
 
 
 def test_plan_caption_names_each_scheme_beyond_max_position_once(capsys, tmp_path):

@@ -255,3 +255,28 @@ def test_readme_states_the_closed_stdout_exit_status_main_returns() -> None:
     text = " ".join(README.read_text().split())
     assert (f"a stdout closed early (`kvbits plan ... | head -1`) ends it with exit status {EXIT_BROKEN_PIPE} "
             "(128 + SIGPIPE, as `cat` would) and nothing on stderr.") in text  # fmt: skip
+
+
+def test_data_path_help_lists_the_roots_the_loader_searches(tmp_path, monkeypatch) -> None:
+    """The --data-path help said "then $KVBITS_DATA, then ../shared/data" (monitor's: no order at all), but the
+    loader also falls back to <repo>/../shared/data and /work/shared/data: now every help lists the loader's roots."""
+    import os
+
+    from kvbits.evaluate.data import DEFAULT_DATA_ROOTS, data_search_path
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    helps = {name: a.help for name, sub in commands.items() for a in sub._actions if "--data-path" in a.option_strings}
+    assert set(helps) >= {"eval", "speed", "needle", "tune", "monitor"}
+    for name, text in helps.items():
+        assert text.endswith("(then " + ", then ".join(DEFAULT_DATA_ROOTS) + ")"), (name, text)
+    monkeypatch.setenv("KVBITS_DATA", str(tmp_path))
+    repo = Path(__file__).resolve().parents[1]
+    expected = [tmp_path, Path.cwd() / ".." / "shared" / "data", repo / ".." / "shared" / "data",
+                Path("/work/shared/data")]  # fmt: skip
+    seen, want = set(), []
+    for p in expected:  # data_search_path drops a root that resolves to one listed before
+        if os.path.realpath(p) not in seen:
+            seen.add(os.path.realpath(p))
+            want.append(p.resolve())
+    assert [p.resolve() for p in data_search_path()] == want

@@ -509,7 +509,7 @@ def test_missing_calibration_is_refused_before_anything_loads():
     assert get_scheme("kvquant-4").needs_calibration() == ["key", "value"]  # static NUQ keys, NUQ values
     assert get_scheme("kvquant-2-block").needs_calibration() == ["key", "value"]  # codebooks only
     assert get_scheme("kivi-4").needs_calibration() == [] and get_scheme("fp16").needs_calibration() == []
-    with pytest.raises(ValueError, match=r"not given for: kvquant-4 \(key and value\).*--calibration DIR"):
+    with pytest.raises(ValueError, match=r"not given for: kvquant-4 \(key and value\).*\(calibration=DIR\)"):
         evaluate("no-such-model-anywhere", _ids(64)[0], 32, ["kivi-4", "kvquant-4"])
 
 

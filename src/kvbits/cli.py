@@ -25,6 +25,7 @@ from typing import Any
 
 from kvbits._argtypes import bounded, check_output_path
 from kvbits._json import dumps
+from kvbits._spelling import cli_spelling
 
 logger = logging.getLogger("kvbits.cli")
 
@@ -628,7 +629,8 @@ def _main(argv: list[str]) -> int:
     try:
         # an --out that can not be written fails now, not after the run (tune's --out is a file)
         check_output_path(getattr(args, "out", None), "--out", getattr(args, "_out_kind", "folder"))
-        status = run(args)
+        with cli_spelling():  # the library's messages name the flags the user typed, not the Python arguments
+            status = run(args)
     except BrokenPipeError:
         raise  # stdout closed early: main() ends quietly, this is no error of the command's
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as exc:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvbits._argtypes import check_seed, runs_on_device
+from kvbits._spelling import spell
 from kvbits.analyze.collect import rotary_table_key
 from kvbits.analyze.verify import verify_taps
 from kvbits.calibrate.artifact import (
@@ -214,7 +215,7 @@ def check_calibration_out(out_dir: str | os.PathLike[str], *, overwrite: bool = 
             what = f" (scheme {old['scheme'].get('name')}" + (f", model {made}" if made else "") + ")"
         raise ValueError(
             f"{out} already holds a calibration{what}: {', '.join(held)}; use another output folder, or "
-            f"overwrite=True (--overwrite) to replace {META_FILE} and {TENSORS_FILE}"
+            f"{spell('overwrite=True', '--overwrite')} to replace {META_FILE} and {TENSORS_FILE}"
         )
     return out
 

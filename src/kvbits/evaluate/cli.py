@@ -23,6 +23,7 @@ from kvbits._argtypes import (
     on_device,
 )
 from kvbits._json import dumps
+from kvbits.evaluate.data import DATA_PATH_HELP
 
 __all__ = ["DEVICES", "add_parser", "run"]
 
@@ -107,7 +108,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p,
         model_help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file, model folder or hub id",
         data_help="registry text (wikitext2, war-and-peace, ...) or a text file",
-        data_path_help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
+        data_path_help=DATA_PATH_HELP,
     )
     add_window_args(p, context=8192, windows=1)
     p.add_argument(

@@ -108,6 +108,30 @@ class TextSource:
     path: str | None = None
 
 
+# The data roots searched after a ``data_path`` argument, in order (the ``--data-path`` help lists these labels).
+DEFAULT_DATA_ROOTS: tuple[str, ...] = ("$KVBITS_DATA", "./../shared/data", "<repo>/../shared/data", "/work/shared/data")
+DATA_PATH_HELP = "folder searched first for registry texts (then " + ", then ".join(DEFAULT_DATA_ROOTS) + ")"
+
+
+def _default_root(label: str) -> Path | None:
+    """The root a :data:`DEFAULT_DATA_ROOTS` label names (``None``: ``$KVBITS_DATA`` unset)."""
+    if label == "$KVBITS_DATA":
+        env = os.environ.get("KVBITS_DATA")
+        if not env:
+            return None
+        root = Path(env).expanduser()
+        if not root.is_dir() and env not in _WARNED_ENV_ROOTS:
+            _WARNED_ENV_ROOTS.add(env)  # once per value: every load_text searches the roots
+            logger.warning("KVBITS_DATA=%s is not a folder (%s); searching the default data roots instead",
+                           env, "a file" if root.exists() else "it does not exist")
+        return root
+    if label == "./../shared/data":
+        return Path.cwd() / ".." / "shared" / "data"
+    if label == "<repo>/../shared/data":
+        return Path(__file__).resolve().parents[3] / ".." / "shared" / "data"  # <repo>/src/kvbits/evaluate/data.py
+    return Path(label)
+
+
 def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Path]:
     """Candidate data roots, in search order, without duplicates (the default ones need not exist;
     a ``data_path`` given explicitly must be a folder: ``ValueError`` otherwise, rather than a silent
@@ -121,16 +145,10 @@ def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Pa
                 "texts (gutenberg/, wikitext-2-raw/), like ../shared/data"
             )
         candidates.append(given)
-    if env := os.environ.get("KVBITS_DATA"):
-        candidates.append(Path(env).expanduser())
-        if not candidates[-1].is_dir() and env not in _WARNED_ENV_ROOTS:
-            _WARNED_ENV_ROOTS.add(env)  # once per value: every load_text searches the roots
-            logger.warning("KVBITS_DATA=%s is not a folder (%s); searching the default data roots instead",
-                           env, "a file" if candidates[-1].exists() else "it does not exist")
-    candidates.append(Path.cwd() / ".." / "shared" / "data")
-    repo = Path(__file__).resolve().parents[3]  # <repo>/src/kvbits/evaluate/data.py
-    candidates.append(repo / ".." / "shared" / "data")
-    candidates.append(Path("/work/shared/data"))
+    for label in DEFAULT_DATA_ROOTS:  # the order the --data-path help states (DATA_PATH_HELP)
+        root = _default_root(label)
+        if root is not None:
+            candidates.append(root)
     out: list[Path] = []
     seen: set[Path] = set()
     for c in candidates:
@@ -238,7 +256,7 @@ def _load_hub(spec: str) -> TextSource:
         raise ValueError(
             f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): {why}. Offline? Give the "
             f"text as a local file instead: a path to a UTF-8 text file, or one of {sorted(TEXTS)} (read from a data "
-            "root: --data-path, $KVBITS_DATA or ../shared/data; 'wikitext2' is WikiText-2 raw, test split)"
+            f"root: --data-path, then {', then '.join(DEFAULT_DATA_ROOTS)}; 'wikitext2' is WikiText-2 raw, test split)"
         ) from exc
     # a feature's type: a Value has a dtype ("string"); a nested one (a dict of features, a list) has none
     kinds = {c: getattr((ds.features or {}).get(c), "dtype", None) for c in ds.column_names}

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvbits._model import check_model
+from kvbits._spelling import spell
 from kvbits.evaluate.request import _ids_fingerprint, _model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ def _check_calibrated(schemes: list, calibrations: dict[str, Any]) -> None:
         raise ValueError(
             f"calibrated parameters (static scales or NUQ codebooks) are needed and were not given for: "
             f"{', '.join(missing)}; create them with `kvbits calibrate --scheme NAME --out DIR` and pass the "
-            "folder (CLI: --calibration DIR; Python: calibration=DIR)"
+            f"folder ({spell('calibration=DIR', '--calibration DIR')})"
         )
 
 

@@ -20,6 +20,7 @@ from kvbits._argtypes import (
     emit_summary,
     on_device,
 )
+from kvbits.evaluate.data import DATA_PATH_HELP
 
 __all__ = ["add_parser", "parse_depths", "run"]
 
@@ -85,7 +86,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         model_help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file, model folder or hub id",
         data_help="the haystack: registry text (war-and-peace, wikitext2, ...) or a text file (default war-and-peace)",
         data_default="war-and-peace",
-        data_path_help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
+        data_path_help=DATA_PATH_HELP,
     )
     p.add_argument(
         "--context", action="append", type=parse_tokens, required=True, metavar="N",

@@ -36,6 +36,7 @@ import torch
 
 from kvbits._argtypes import runs_on_device
 from kvbits._model import check_cache_holds, check_model_arg
+from kvbits._spelling import spell
 from kvbits.evaluate.generation import _mean
 from kvbits.evaluate.needle import (
     DEFAULT_DEPTHS,
@@ -84,10 +85,12 @@ def _check_args(semantics: str, schemes: list, fused_decode: Any, trials: Any, c
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if semantics == "prefill" and chunk_size != _DEFAULT_CHUNK:  # as kvbits eval refuses it with mode='stream'
+        decode = spell("semantics='decode'", "--semantics decode")
         raise ValueError(
-            f"chunk_size={chunk_size} needs semantics='decode': it sets the simulator's queries per attention chunk, "
-            "and 'prefill' prefills the document into the real cache and decodes the question through it, so the "
-            f"setting would be ignored; leave it at {_DEFAULT_CHUNK} (CLI: no --chunk-size) or use --semantics decode"
+            f"{spell(f'chunk_size={chunk_size}', f'--chunk-size {chunk_size}')} needs {decode}: it sets the simulator's "
+            "queries per attention chunk, and 'prefill' prefills the document into the real cache and decodes the "
+            f"question through it, so the setting would be ignored; leave it at {_DEFAULT_CHUNK}"
+            f"{spell('', ' (no --chunk-size)')} or use {decode}"
         )
 
 
@@ -101,7 +104,7 @@ def check_decode_simulates(model: Any, schemes: Sequence[Any]) -> None:
 
     if not shared_attention(model):
         return
-    works = "semantics='prefill' (CLI: --semantics prefill) runs it through the real cache, which holds it"
+    works = spell("semantics='prefill'", "--semantics prefill") + " runs it through the real cache, which holds it"
     if not attention_modules(model):  # Zamba: no layer_idx anywhere
         raise ValueError(f"kvbits needle: semantics='decode' runs the simulator: {shared_attention_note(model)}; {works}")
     mixed = [s.name for s in schemes if getattr(s, "is_mixed", False)]

@@ -29,6 +29,7 @@ import torch
 
 from kvbits._files import atomic_path, write_text_atomic
 from kvbits._json import dumps, loads
+from kvbits._spelling import spell
 from kvbits.evaluate.metrics import TOKEN_FIELDS
 from kvbits.evaluate.request import OUTPUT_VERSION
 
@@ -153,7 +154,7 @@ def _check_out_dir(
             raise ValueError(
                 f"{out} is not empty ({', '.join(present[:5])}{', ...' if len(present) > 5 else ''}) and "
                 "holds no kvbits eval run (no config.json or DONE written by kvbits eval); use a new or empty "
-                "folder, or overwrite=True (--overwrite) to write the run into it (only the files kvbits eval "
+                f"folder, or {spell('overwrite=True', '--overwrite')} to write the run into it (only the files kvbits eval "
                 f"writes would be replaced: {', '.join(_RUN_FILES)}, tokens/<scheme>.safetensors, figures)"
             )
         return None
@@ -176,7 +177,7 @@ def _check_out_dir(
             f"{out} holds a run with a different configuration (config hash "
             f"{'unreadable' if other is None else other}, this run {chash}"
             f"{'; it differs in ' + ', '.join(diff) if diff else ''}); use another output folder or "
-            "overwrite=True (--overwrite)",
+            f"{spell('overwrite=True', '--overwrite')}",
             diff,
         )
     if done.is_file() and _read_done(done) == chash:

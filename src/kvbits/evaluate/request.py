@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvbits._argtypes import MODEL_DTYPES
+from kvbits._spelling import spell
 from kvbits.evaluate.stream import PeerScheme
 from kvbits.schemes import check_unique_names
 from kvbits.schemes.spec import KVScheme
@@ -156,7 +157,8 @@ def _check_args(context, windows, mode, semantics, prompt_len, schemes) -> None:
     peers = [n for n, s in zip(names, schemes) if isinstance(s, PeerScheme)]
     if peers and mode != "stream":
         raise ValueError(
-            f"{', '.join(peers)}: peer caches exist only as a cache (no simulator); use mode='stream' (--mode stream)"
+            f"{', '.join(peers)}: peer caches exist only as a cache (no simulator); use "
+            + spell("mode='stream'", "--mode stream")
         )
 
 

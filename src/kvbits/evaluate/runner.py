@@ -61,6 +61,7 @@ from kvbits._argtypes import runs_on_device
 from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
+from kvbits._spelling import spell
 from kvbits.evaluate.calib_text import calibrated_on_eval_text, warn_calibrated_on_eval_text, warn_stored
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import kept_cuda_device, resolve_ranks
@@ -319,23 +320,25 @@ def evaluate(
         _check_args(context, windows, mode, semantics, prompt_len, resolved)
         if attn_layers is not None:  # int(0.7) would have measured layer 0 without a word
             attn_layers = check_layer_indices("attn_layers", attn_layers)
+        stream_mode, simulate_mode = spell("mode='stream'", "--mode stream"), spell("mode='simulate'", "--mode simulate")
         if mode == "stream" and attn_layers:
             raise ValueError(
-                f"attn_layers={list(attn_layers)} needs mode='simulate': the attention-output error compares the "
-                "simulator's exact and quantized attention, which mode='stream' (--mode stream) does not run; "
-                "leave attn_layers unset or [] (CLI: no --attn-layers)"
+                f"{spell(f'attn_layers={list(attn_layers)}', '--attn-layers')} needs {simulate_mode}: the "
+                f"attention-output error compares the simulator's exact and quantized attention, which {stream_mode} does not run; "
+                + spell("leave attn_layers unset or []", "leave --attn-layers out")
             )
         if mode != "stream" and fused_decode != "auto":
             raise ValueError(
-                f"fused_decode={fused_decode!r} needs mode='stream': mode={mode!r} never decodes through the "
-                "cache, so the setting would be ignored; leave it 'auto' (CLI: no --fused-decode) or use "
-                "--mode stream"
+                f"{spell(f'fused_decode={fused_decode!r}', f'--fused-decode {fused_decode}')} needs {stream_mode}: "
+                f"{spell(f'mode={mode!r}', f'--mode {mode}')} never decodes through the cache, so the setting would be "
+                f"ignored; leave it {spell(repr('auto'), 'out')} or use {stream_mode}"
             )
         if mode == "stream" and chunk_size != _DEFAULT_CHUNK:
             raise ValueError(
-                f"chunk_size={chunk_size} needs mode='simulate': it sets the simulator's queries per attention chunk, "
-                "and mode='stream' decodes token by token through the cache, so the setting would be ignored; leave it "
-                f"at {_DEFAULT_CHUNK} (CLI: no --chunk-size) or use --mode simulate"
+                f"{spell(f'chunk_size={chunk_size}', f'--chunk-size {chunk_size}')} needs {simulate_mode}: it sets the "
+                f"simulator's queries per attention chunk, and {stream_mode} decodes token by token through the cache, "
+                f"so the setting would be ignored; leave it at {_DEFAULT_CHUNK}{spell('', ' (no --chunk-size)')} or use "
+                f"{simulate_mode}"
             )
     # what each rank reads from its own node (data_path, calibration files, its GPU) may fail on one rank only: agreed
     # on, or the others would wait in the next collective for the collective timeout (24 h under kvbits eval)
@@ -416,7 +419,7 @@ def evaluate(
                 f"simulator can not match to the calling layer: {shared}"
             )
         if shared and attn_layers:  # it said 'have no attention (... state-space layers ...)'
-            raise ValueError(f"attn_layers={list(attn_layers)} (CLI: --attn-layers): {shared}")
+            raise ValueError(f"{spell(f'attn_layers={list(attn_layers)}', '--attn-layers')}: {shared}")
         if shared and mode == "simulate" and attn_layers is None:  # Zamba2: the default measured nothing silently
             logger.warning("evaluate: no attention error / entropy is recorded (attn_error, attn_entropy stay empty): %s",
                            shared)
@@ -425,7 +428,7 @@ def evaluate(
         else:
             layers = sorted({int(x) for x in attn_layers})
         if any(not 0 <= x < n_layers for x in layers):
-            raise ValueError(f"attn_layers (CLI: --attn-layers) must be in [0, {n_layers}), got "
+            raise ValueError(f"{spell('attn_layers', '--attn-layers')} must be in [0, {n_layers}), got "
                              f"{list(attn_layers or [])}")
         if set(layers) - set(attending):
             raise ValueError(

@@ -17,6 +17,7 @@ from kvbits._argtypes import (
     check_output_path,
     on_device,
 )
+from kvbits.evaluate.data import DATA_PATH_HELP
 from kvbits.monitor.export import RESERVED_LABELS, check_label_name, strict_json
 
 __all__ = ["add_parser", "run"]
@@ -70,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p,
         model_help="registry name, .gguf file, model folder or hub id",
         data_help="registry text (war-and-peace, ...) or a text file",
-        data_path_help="folder searched first for registry texts",
+        data_path_help=DATA_PATH_HELP,
     )
     p.add_argument("--context", type=parse_tokens, default=2048, help="tokens decoded, e.g. 2048 or 2k (default 2048)")
     p.add_argument("--scheme", required=True, help="scheme preset or scheme JSON file")

@@ -48,6 +48,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvbits._spelling import spell
 from kvbits.plan.positions import LEARNED_POSITIONS, pre_rope_problem
 from kvbits.plan.shape import (
     ATTENTION_KINDS,
@@ -937,7 +938,7 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     if _get(text, "block_configs") is not None:
         raise ValueError(
             "block_configs (DeciLM / Nemotron-NAS) give every layer its own MLP width: not estimated; pass "
-            "weights_gib (CLI --weights-gib)"
+            f"{spell('weights_gib', '--weights-gib')}"
         )
     shape = shape or model_shape(text)
     h = _int(_get(text, "hidden_size", "n_embd", "d_model"), "hidden_size")

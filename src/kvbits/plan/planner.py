@@ -77,6 +77,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+from kvbits._spelling import spell
 from kvbits.plan.config import latent_attention, load_shape, text_config, warn_beyond_max_positions
 from kvbits.plan.limits import LIMIT, fused_rope_table_bytes, max_concurrency, max_context
 from kvbits.plan.positions import pre_rope_problem
@@ -333,8 +334,8 @@ def _budget(
     reserve = _non_negative_gib(reserve_gib, "reserve_gib")
     if reserve > gpu:  # memory kept free on the GPU can not exceed the GPU: most likely the two were swapped
         raise ValueError(
-            f"reserve_gib ({reserve_gib:g} GiB, CLI --reserve-gib) is memory kept free on the GPU, so it must be at "
-            f"most gpu_mem_gib ({gpu_mem_gib:g} GiB, CLI --gpu-mem); were the two swapped?"
+            f"{spell('reserve_gib', '--reserve-gib')} ({reserve_gib:g} GiB) is memory kept free on the GPU, so it "
+            f"must be at most {spell('gpu_mem_gib', '--gpu-mem')} ({gpu_mem_gib:g} GiB); were the two swapped?"
         )
     if weights_gib is not None:
         weights = _non_negative_gib(weights_gib, "weights_gib")
@@ -345,19 +346,19 @@ def _budget(
             f"{shape.n_params * 4 / GIB:.3g} GiB in float32"
         ) if shape.n_params else ""  # fmt: skip
         raise ValueError(
-            f"gpu_mem_gib needs the weights' size, and this config's weights are quantized ({shape.weights_quantized}): "
-            f"not {shape.dtype_bytes} bytes per parameter as the estimate counts; pass "
-            f"weights_gib=... (CLI --weights-gib): kept quantized on the GPU, about the checkpoint's size{dequantized}"
+            f"{spell('gpu_mem_gib', '--gpu-mem')} needs the weights' size, and this config's weights are quantized "
+            f"({shape.weights_quantized}): not {shape.dtype_bytes} bytes per parameter as the estimate counts; pass "
+            f"{spell('weights_gib=...', '--weights-gib')}: kept quantized on the GPU, about the checkpoint's size{dequantized}"
         )
     elif shape.n_params is not None:
         weights = shape.n_params * shape.dtype_bytes
         source = "estimated"
     else:
         raise ValueError(
-            "gpu_mem_gib needs the weights' size: this model shape carries no parameter estimate (planned from "
-            "dimensions; from a config whose layers, KV heads or head dim were overridden, which the estimate no longer "
-            "describes; or from a config it can not be estimated from, which -v logs); pass weights_gib=... "
-            "(CLI --weights-gib)"
+            f"{spell('gpu_mem_gib', '--gpu-mem')} needs the weights' size: this model shape carries no parameter "
+            "estimate (planned from dimensions; from a config whose layers, KV heads or head dim were overridden, which "
+            "the estimate no longer describes; or from a config it can not be estimated from, which -v logs); pass "
+            f"{spell('weights_gib=...', '--weights-gib')}"
         )
     if weights + reserve > gpu:  # a real answer (the model does not fit), but say why every concurrency is 0
         logger.warning(

@@ -22,6 +22,7 @@ from kvbits._argtypes import (
 )
 from kvbits._files import write_text_atomic
 from kvbits._json import dumps
+from kvbits.evaluate.data import DATA_PATH_HELP
 
 __all__ = ["add_parser", "calibration_dir", "run"]
 
@@ -80,7 +81,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p,
         model_help="offline name, hub id, local folder or .gguf",
         data_help="tuning text: a registered name or a file",
-        data_path_help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
+        data_path_help=DATA_PATH_HELP,
     )
     p.add_argument(
         "--candidates", action="append", required=True, metavar="SCHEME",

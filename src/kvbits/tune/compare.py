@@ -6,6 +6,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+from kvbits._spelling import spell
 from kvbits.schemes import KVScheme, check_unique_names, get_scheme
 
 if TYPE_CHECKING:
@@ -76,6 +77,6 @@ def _warn_beyond(shape: Any, mix: KVScheme, context: int, budget_bits: float) ->
         logger.warning(
             "the mix holds %.3f average bits at the model's max context (%d tokens), over the %g-bit budget priced at "
             "the tuning context (%d tokens): the model has sliding layers, whose share of the bytes shrinks as the "
-            "context grows; pass the context you will serve (--serve-context, serve_context=) to price it there",
-            there, longest, budget_bits, context,
+            "context grows; pass the context you will serve (%s) to price it there",
+            there, longest, budget_bits, context, spell("serve_context=", "--serve-context"),
         )  # fmt: skip

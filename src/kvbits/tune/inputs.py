@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvbits._spelling import spell
 from kvbits.schemes import KVScheme
 
 
@@ -83,8 +84,9 @@ def _candidate_calibrations(
                 for c in missing
             )
             + " needs calibrated parameters (static scales or NUQ codebooks) and none were given: create them "
-            "with `kvbits calibrate --scheme NAME --out DIR` on this model and pass the folder (CLI: "
-            "--calibration DIR; Python: calibrations={'NAME': DIR})"
+            "with `kvbits calibrate --scheme NAME --out DIR` on this model and pass the folder ("
+            + spell("calibrations={'NAME': DIR}", "--calibration DIR")
+            + ")"
         )
     mixed = [c.name for c in cands if c.name in arts]
     optional = [c.name for c in cands if c.calibratable() and c.name not in arts] if mixed else []
