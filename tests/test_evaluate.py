@@ -1284,8 +1284,9 @@ def test_integer_zero_point_clips_are_reported_as_such(caplog, mode):
 def test_stream_mode_counts_what_the_real_cache_clipped(caplog):
     """Stream mode recorded no clipping (simulate mode only): the real caches' counts
     (``calibration_report()``) now fill the same fields, over every quantized element, and agree in size
-    with the simulator's on the same narrow calibration; a dynamic scheme clips nothing. The run warns once
-    (the runner's words); the caches it drives say nothing of their own (they said it three times)."""
+    with the simulator's on the same narrow calibration; a dynamic scheme clips nothing. The run warns once for the
+    windows and once for the generated positions (the runner's words); the caches it drives say nothing of their own
+    (they said it three times)."""
     model, scheme, art = _narrow_kvquant(64)
     caplog.clear()  # the fit's own warning (99.9 % of 64 samples is the max): not the run's
     with caplog.at_level("WARNING", logger="kvbits"):
@@ -1293,7 +1294,9 @@ def test_stream_mode_counts_what_the_real_cache_clipped(caplog):
         # so its "clips nothing" held by quantizing nothing)
         s = evaluate(model, _ids(128)[0], 128, [scheme, "int4-token"], calibration=art, mode="stream", generate=4)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warned) == 1 and warned[0].startswith("kvquant-4 serves 64 of 128 positions"), warned
+    # the window's positions past the calibration, then the generated ones (--generate 4 reaches 132)
+    assert len(warned) == 2 and warned[0].startswith("kvquant-4 serves 64 of 128 positions"), warned
+    assert warned[1].startswith("kvquant-4 (generation: 4 tokens after each 128-token window) serves 68 of 132"), warned
     cal, plain = (r["calibration"] for r in s["results"])
     assert 0.01 < cal["clipped_keys_frac"] <= 1 and cal["clipped_keys"] > 0
     assert plain["clipped_keys"] == plain["clipped_values"] == 0 and plain["clipped_keys_frac"] == 0.0
