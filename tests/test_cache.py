@@ -1408,6 +1408,32 @@ def test_lazy_long_history_never_syncs(scheme, opts):
     assert 0 < err < 0.6 * ref.abs().max(), err  # quantized, and the history read back in order
 
 
+@torch.no_grad()
+def test_lazy_layer_reset_reads_the_pending_check(caplog):
+    """A ``QuantizedKVLayer`` used on its own: ``reset()`` runs a lazy check still pending and logs bad K/V (as
+    ``QuantizedKVCache.reset`` does) instead of forgetting a stored NaN with the tokens, silently; nothing pending
+    (the cache already checked its layers): no read, no log."""
+    from kvbits.cache import checks as kv_checks
+
+    layer = QuantizedKVCache(num_layers=1, scheme="int4-token", checks="lazy", check_every=64).layers[0]
+    k, v = rand_kv(1, 2, 9, 64, seed=38)
+    k[:, :, 8] = float("nan")
+    layer.update(k[:, :, :8], v[:, :, :8])
+    layer.update(k[:, :, 8:], v[:, :, 8:])  # the NaN step: its check is due only at step 64
+    assert layer.checks.pending
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache.layer"):
+        layer.reset()
+    failed = [r.getMessage() for r in caplog.records if "pending lazy K/V check failed" in r.getMessage()]
+    assert len(failed) == 1 and "layer 0 key_states contain NaN" in failed[0], failed
+    assert not layer.checks.pending and layer.checks.error is None  # emptied: a new request starts clean
+    caplog.clear()
+    layer.update(k[:, :, :8], v[:, :, :8])
+    layer.reset()
+    assert not caplog.records
+    with mock.patch.object(kv_checks, "_host_maxima", _forbidden):
+        layer.reset()  # nothing pending: no read
+
+
 def test_sync_trap_catches_the_eager_path():
     """The trap is real: the eager check (one sync per layer and step) trips it."""
     cache = QuantizedKVCache(num_layers=1, scheme="int8-token", checks="eager")
