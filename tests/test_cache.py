@@ -1349,6 +1349,91 @@ def test_lazy_sliding_window_never_syncs(scheme):
     assert rep["dropped_tokens"] > 0 or rep["mode"] == "fallback"
 
 
+LONG_CFG = transformers.LlamaConfig(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
+)
+SINKS_TOKEN = dataclasses.replace(get_scheme("int4-token"), name="int4-token-s4-r32", sinks=4, residual=32)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    ("scheme", "opts"),
+    [
+        ("int4-token", {}),  # one chunk past SLICE_TOKENS: materialize decodes it slice by slice every step
+        ("kivi-2", {"workspace": True}),  # residual window, blocks of 32 flushed into a workspace
+        ("int4-token-sinks", {"max_cache_len": 1}),  # sinks, reserved slots (written in place)
+        ("int4-channel-prerope", {"workspace": True, "max_cache_len": 1}),  # pre-RoPE keys at offset positions
+    ],
+)
+def test_lazy_long_history_never_syncs(scheme, opts):
+    """The lazy hot path stays sync-free past ``SLICE_TOKENS`` (prefill quantized and history decoded in slices),
+    with reserved slots (``max_cache_len``) and a workspace, sinks, and pre-RoPE keys un-rotated at per-sequence
+    offsets read from explicit ``position_ids`` (row 1 left-padded by 5): prefill and decode steps of 2 layers,
+    batch 2, under the trap; the one sync is the lazy check every ``check_every`` steps."""
+    from kvbits.cache import checks as kv_checks
+    from kvbits.cache.store import SLICE_TOKENS
+
+    T, pad, every, steps = SLICE_TOKENS + 200, 5, 4, 9  # whole blocks quantized past the slice, and a rest
+    sch = SINKS_TOKEN if scheme == "int4-token-sinks" else get_scheme(scheme)
+    if "max_cache_len" in opts:
+        opts = {**opts, "max_cache_len": T + steps + 7}
+    cache = QuantizedKVCache(config=LONG_CFG, scheme=sch, checks="lazy", check_every=every, **opts)
+    k, v = rand_kv(2, 2, T + steps, 32, seed=37)
+    pos = torch.arange(T + steps).expand(2, -1) - torch.tensor([[0], [pad]])
+    pos = pos.clamp(min=1) * (pos > 0) + (pos <= 0)  # the pads of row 1 at position 1, as transformers puts them
+    with SyncTrap() as trap, contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(kv_checks, "_host_maxima", trap.allow(kv_checks._host_maxima)))
+        # the one documented prefill read: the sinks widened by row 1's pads (the first layer keeping sinks)
+        sink_read = trap.allow(cache._padded_sink_slots)
+        patches.enter_context(mock.patch.object(cache, "_padded_sink_slots", sink_read))
+        for i in range(2):
+            keys, _ = cache.update(k[:, :, :T], v[:, :, :T], i, {"position_ids": pos[:, :T]})
+        assert trap.allowed_calls == (sch.sinks > 0)
+        for t in range(T, T + steps):
+            for i in range(2):
+                keys, _ = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], i, {"position_ids": pos[:, t : t + 1]})
+    assert trap.allowed_calls == (sch.sinks > 0) + steps // every
+    assert keys.shape == (2, 2, T + steps, 32)
+    layer = cache.layers[1]
+    assert layer._k.n_quantized > SLICE_TOKENS and layer.checks.lazy
+    assert (layer._k.n_sinks > 0) == (scheme == "int4-token-sinks")
+    assert (layer._k._slots is not None) == ("max_cache_len" in opts)
+    assert (layer._k.pos_offset is not None) == sch.key.pre_rope
+    if sch.key.pre_rope:
+        assert layer._k.pos_offset.tolist() == [0, pad]
+    cache.check_inputs()  # the last steps' check, outside the trap
+    ref = torch.cat([k, v])
+    err = (torch.cat(cache.materialize(1)) - ref).abs().max()
+    assert 0 < err < 0.6 * ref.abs().max(), err  # quantized, and the history read back in order
+
+
+@torch.no_grad()
+def test_lazy_layer_reset_reads_the_pending_check(caplog):
+    """A ``QuantizedKVLayer`` used on its own: ``reset()`` runs a lazy check still pending and logs bad K/V (as
+    ``QuantizedKVCache.reset`` does) instead of forgetting a stored NaN with the tokens, silently; nothing pending
+    (the cache already checked its layers): no read, no log."""
+    from kvbits.cache import checks as kv_checks
+
+    layer = QuantizedKVCache(num_layers=1, scheme="int4-token", checks="lazy", check_every=64).layers[0]
+    k, v = rand_kv(1, 2, 9, 64, seed=38)
+    k[:, :, 8] = float("nan")
+    layer.update(k[:, :, :8], v[:, :, :8])
+    layer.update(k[:, :, 8:], v[:, :, 8:])  # the NaN step: its check is due only at step 64
+    assert layer.checks.pending
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache.layer"):
+        layer.reset()
+    failed = [r.getMessage() for r in caplog.records if "pending lazy K/V check failed" in r.getMessage()]
+    assert len(failed) == 1 and "layer 0 key_states contain NaN" in failed[0], failed
+    assert not layer.checks.pending and layer.checks.error is None  # emptied: a new request starts clean
+    caplog.clear()
+    layer.update(k[:, :, :8], v[:, :, :8])
+    layer.reset()
+    assert not caplog.records
+    with mock.patch.object(kv_checks, "_host_maxima", _forbidden):
+        layer.reset()  # nothing pending: no read
+
+
 def test_sync_trap_catches_the_eager_path():
     """The trap is real: the eager check (one sync per layer and step) trips it."""
     cache = QuantizedKVCache(num_layers=1, scheme="int8-token", checks="eager")

@@ -780,6 +780,15 @@ class QuantizedKVLayer(CacheLayerMixin):
         return self.sliding_window if self.is_sliding else -1
 
     def reset(self) -> None:
+        """Empty the layer for a new request. A lazy check still pending (a layer used on its own: ``QuantizedKVCache``
+        has already run its layers' checks) runs first, one host sync, and bad K/V it finds are logged (WARNING)
+        instead of being forgotten with the tokens, as ``QuantizedKVCache.reset`` does; ``reset()`` never raises."""
+        if self.checks.pending and self.checks.error is None:
+            try:
+                kv_checks.run_checks([self])
+            except ValueError as exc:
+                logger.warning("QuantizedKVLayer.reset(): the pending lazy K/V check failed: %s. The layer is emptied "
+                               "now; the outputs of the request just reset were computed from these K/V", exc)  # fmt: skip
         self._k.clear()
         self._v.clear()
         self.tokens_seen = self.dropped_tokens = 0
