@@ -322,6 +322,64 @@ def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     assert (report["rope_table_bytes"] > 0) == pre_rope
 
 
+def _held_storages(obj, seen: dict[int, int], depth: int = 0) -> None:
+    """Every tensor storage reachable from ``obj`` (kvbits objects, dataclasses, lists, dicts): ``seen`` maps each
+    storage's address to its bytes, so a tensor shared by several holders counts once."""
+    if isinstance(obj, torch.Tensor):
+        seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif depth < 6 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            _held_storages(x, seen, depth + 1)
+    elif depth < 6 and isinstance(obj, dict):
+        for x in obj.values():
+            _held_storages(x, seen, depth + 1)
+    elif depth < 6 and type(obj).__module__.startswith("kvbits") and hasattr(obj, "__dict__"):
+        for x in vars(obj).values():
+            _held_storages(x, seen, depth + 1)
+
+
+@pytest.mark.parametrize("name", ["kvquant-4", "int4-token-smooth", "int4-token-smooth-prerope", "kvquant-4-block"])
+def test_static_cache_calibrated_bytes_are_every_storage_once(name):
+    """Calibrated schemes (a synthetic ``artifact_from_samples`` KVQuant artifact; channel means and factors installed
+    by hand): after a prefill and decode steps, ``memory_report()``'s total, state and RoPE tables are the bytes of
+    every storage the cache holds, each once, and its ``fixed`` is the plan's. The slabs' codebooks and channel vectors
+    are the installed tensors themselves (not copies: the plan counts them once); a slab that does keep a copy (as
+    ``pack_side`` makes of a codebook on another device or dtype) has it counted in ``fixed``."""
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    model, scheme = build("llama"), get_scheme(name)
+    if scheme.key.kind == "nuq":
+        g = torch.Generator().manual_seed(0)
+        samples = [torch.randn(1, 2, 128, 32, generator=g) for _ in range(2)]
+        art = artifact_from_samples(name, samples, samples, meta={"model": describe_model(model.config)})
+        cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, calibration=art)
+    else:
+        cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+        install(cache, scheme)
+    generate(model, cache, fused=False)
+    report = cache.memory_report()
+    seen: dict[int, int] = {}
+    for layer in cache.layers:
+        _held_storages(layer, seen)
+    assert report["total_bytes"] + report["state_bytes"] + report["rope_table_bytes"] == sum(seen.values())
+    at = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4)
+    assert report["fixed_bytes"] == at["components"]["fixed"] > 0
+    names = {"codebook": "codebook", "channel_mean": "channel_mean", "channel_factor": "channel_factor"}
+    for layer in cache.layers:
+        for side, slab in (("key", layer.key), ("value", layer.value)):
+            for field, key in names.items():
+                if getattr(slab, field) is not None:
+                    assert getattr(slab, field) is layer._fixed[side][key], (layer.layer_idx, side, field)
+    layer = cache.layers[0]
+    field = "codebook" if layer.key.codebook is not None else "channel_mean"
+    copy = getattr(layer.key, field).clone()
+    before = layer.nbytes()
+    layer.key = replace(layer.key, **{field: copy})
+    after = layer.nbytes()
+    assert after["fixed"] == before["fixed"] + copy.nbytes and after["quantized"] == before["quantized"]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 @pytest.mark.parametrize("scheme", ["kivi-4", "int4-channel", "kivi-sinks"])
 def test_a_window_longer_than_max_cache_len_holds_only_its_positions(scheme, fused):

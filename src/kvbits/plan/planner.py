@@ -15,7 +15,10 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
   times the bytes counted here), so for such a spec ``fixed`` is what per-head / per-tensor scales take.
   Sliding-window layers hold at most their window (``token_split(..., sliding_window=W)``).
   A ``QuantizedKVCache(max_cache_len=T)`` holds the quantized part of this from its first flush on (reserved
-  slots) and exactly this at ``T`` tokens.
+  slots) and exactly this at ``T`` tokens. A ``StaticQuantizedKVCache`` also holds each static scale (and
+  zero-point) a second time in the kernels' layout, one row per sequence (static FP8: float32 per head; KVQuant's
+  key ranges: float16 ``(H_kv, D)`` scale and zero-point), ``B`` times a layer's static scale bytes beyond
+  ``total_bytes``: the kernels address those rows by the batch (``kvbits.cache.static``).
 - ``bytes_per_token``: ``total_bytes / (T * B)``.
 - ``elements``: what an fp16 cache of the same model stores at ``T``:
   ``sum_l 2 * B * stored_l * H_l * D_l`` with ``stored_l = T`` for full layers and
