@@ -281,3 +281,33 @@ def test_skip_pages_note_says_newer_vllm_pads_skipped_layers_on_any_model():
     bytes, without that caveat."""
     notes = vllm_cache_args("vllm-int4,0=fp16").notes
     assert any("skip_page_size_padded" in n and "full-attention layers too" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "lost"),
+    [
+        ("kivi-2", ["the 128 most recent tokens in full precision", "keys and values at 2 bits, not 4 or 8",
+                    "keys scaled per channel", "values scaled per group of 32 channels"]),
+        ("kvquant-4", ["the first token in full precision", "keys and values on a 4-bit non-uniform codebook",
+                       "keys scaled per channel", "1% kept as float16 outliers", "keys quantized before RoPE"]),
+        ("int4-channel", ["keys scaled per channel"]),
+        ("int4-token-smooth", ["keys centred or smoothed per channel"]),
+    ],
+)  # fmt: skip
+def test_a_refusal_names_everything_vllm_would_lose(scheme, lost):
+    """The refusal named only sinks and the residual window: kivi-2's said "(it keeps 0 sink and 128 recent tokens in
+    full precision; vLLM can not)", as if dropping the window would do, and kvquant-4's named only its sink, not its
+    non-uniform codebook, per-channel pre-RoPE keys or outliers; int4-channel's gave no reason at all."""
+    with pytest.raises(ValueError, match=f"storing '{scheme}' \\(") as exc:
+        vllm_cache_args(scheme)
+    assert all(x in str(exc.value) for x in lost), str(exc.value)
+    assert "0 sink" not in str(exc.value)
+
+
+@pytest.mark.parametrize("scheme", ["fp16,1=kivi-2", "bf16,0=kvquant-4,2=vllm-int4"])
+def test_an_unquantized_base_with_a_layer_vllm_has_no_format_for_says_so(scheme):
+    """``fp16,1=kivi-2`` (one quantized format) was refused with "vLLM serves one quantized format per engine": the
+    layer's format is what vLLM lacks, not a second one."""
+    with pytest.raises(ValueError, match=r"vLLM has no KV-cache format storing '(kivi-2|kvquant-4)' \(") as exc:
+        vllm_cache_args(scheme, 4)
+    assert "one quantized format per engine" not in str(exc.value)

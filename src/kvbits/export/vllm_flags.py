@@ -21,8 +21,9 @@ onto them when every layer is either the base format or unquantized:
   candidate most layers use) -> that format, every other layer skipped: this needs the model's layer count
   (``num_layers``, ``kvbits export --scheme S --layers N``).
 
-Anything vLLM has no setting for (sinks or a full-precision residual window, a layer at another quantized
-format, an FP8 rotation) is refused with what to change: flags that serve something other than what was measured
+Anything vLLM has no setting for (sinks or a full-precision residual window, per-channel or grouped scales,
+non-uniform codebooks, outliers, pre-RoPE or smoothed keys, 2- or 3-bit codes, a layer at another quantized format,
+an FP8 rotation) is refused, naming each of these the scheme keeps, with what to change: flags that serve something other than what was measured
 would make kvbits' figures describe the wrong cache.
 """
 
@@ -123,7 +124,18 @@ def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[in
     if not quantized:
         return None
     formats = set(quantized.values())
-    if None in formats or len(formats) > 1:  # more than one format, or one vLLM has not
+    unserved = {idx: sub for idx, sub in s.layers if idx in quantized and quantized[idx] is None}
+    if unserved:  # a format vLLM has not: say what it keeps that vLLM would lose
+        sub = unserved[min(unserved)]
+        lacks = _what_vllm_lacks(sub)
+        why = f" ({'; '.join(lacks)}; vLLM can not)" if lacks else ""
+        raise ValueError(
+            f"{s.name!r} stores layers {sorted(unserved)} as {', '.join(sorted({u.name for u in unserved.values()}))}: "
+            f"vLLM has no KV-cache format storing {sub.name!r}{why}; store the quantized layers in one format of "
+            f"{', '.join(_FORMATS)}, the others fp16 or bf16 "
+            f"(e.g. kvbits tune --candidates vllm-int4 --candidates {match_preset(s.replace(layers=()), _UNQUANTIZED)})"
+        )
+    if len(formats) > 1:  # more than one format vLLM has
         named = sorted({quantized[idx] or sub.name for idx, sub in s.layers if idx in quantized})
         raise ValueError(
             f"{s.name!r} stores its quantized layers as {', '.join(named)}: vLLM serves one quantized format "
@@ -162,9 +174,8 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
     supported = ", ".join([*_FORMATS, *_UNQUANTIZED])
     name = match_preset(base, tuple(_FORMATS) + _UNQUANTIZED)
     if name is None:
-        why = ""
-        if base.sinks or base.residual:
-            why = f" (it keeps {base.sinks} sink and {base.residual} recent tokens in full precision; vLLM can not)"
+        lacks = _what_vllm_lacks(base)
+        why = f" ({'; '.join(lacks)}; vLLM can not)" if lacks else ""
         what = f"the layers of {s.name!r} that no override names" if s.is_mixed else repr(s.name)
         raise ValueError(
             f"vLLM has no KV-cache format storing {what}{why}: kvbits maps only "
@@ -186,6 +197,45 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
         # would still choose the engine's attention backend and page alignment by a format no layer stores
         return _with_notes(s.name, match_preset(s.for_layer(0), _UNQUANTIZED) or "fp16", "auto", [])
     return _with_notes(s.name, name, dtype, skip)
+
+
+def _what_vllm_lacks(s: KVScheme) -> list[str]:
+    """What ``s`` (one layer's scheme) keeps that no vLLM KV-cache format stores, in words, for a refusal.
+
+    vLLM's formats (its quantized KV cache page, docs.vllm.ai/en/latest/features/quantization/quantized_kvcache/)
+    are FP8 with a static per-tensor or per-head scale and INT4 / INT8 / FP8 with one dynamic scale per token and
+    head: uniform codes of K/V after RoPE, every token quantized. Empty where the difference is finer (a zero-point,
+    a rounding, a rotation's signs): the refusal's list of the presets kvbits maps says the rest."""
+    out = []
+    if s.sinks or s.residual:
+        kept = [f"the first {s.sinks}" if s.sinks > 1 else "the first"] * bool(s.sinks)
+        kept += [f"the {s.residual} most recent"] * bool(s.residual)
+        out.append(f"it keeps {' and '.join(kept)} token{'s' * (s.sinks + s.residual > 1)} in full precision")
+    lost: dict[str, list[str]] = {}  # what is lost -> the sides (keys, values) that lose it
+    for side, spec in (("keys", s.key), ("values", s.value)):
+        if spec.kind == "float":
+            continue
+        what = []
+        if spec.kind == "nuq":
+            what.append(f"on a {spec.bits}-bit non-uniform codebook")
+        elif spec.kind == "int" and spec.bits not in (4, 8):
+            what.append(f"at {spec.bits} bits, not 4 or 8")
+        if spec.granularity == "channel":
+            what.append("scaled per channel")
+        elif spec.group_size is not None:
+            what.append(f"scaled per group of {spec.group_size} channels")
+        if spec.outlier_frac:
+            what.append(f"with {spec.outlier_frac:.0%} kept as float16 outliers")
+        if spec.pre_rope:
+            what.append("quantized before RoPE")
+        if spec.smooth is not None or spec.centre:
+            what.append("centred or smoothed per channel")
+        for w in what:
+            lost.setdefault(w, []).append(side)
+    out += [f"{' and '.join(sides)} {w}" for w, sides in lost.items()]
+    if s.key.kind != s.value.kind or s.key.bits != s.value.bits:
+        out.append(f"keys at {s.key.bits} bits, values at {s.value.bits}: vLLM stores both in one format")
+    return out
 
 
 def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCacheArgs:
