@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,12 +65,15 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype | None, device: str | 
     return model
 
 
-def _load_model(model: Any, dtype: torch.dtype | None, device: str | None):
-    """``(model, tokenizer, name, fingerprint)`` from a spec string, a ``LoadedModel`` or a model."""
+def _load_model(
+    model: Any, dtype: torch.dtype | None, device: str | None, check_config: Callable[[Any], None] | None = None
+):
+    """``(model, tokenizer, name, fingerprint)`` from a spec string, a ``LoadedModel`` or a model;
+    ``check_config``: ``load_model``'s, for a spec string (its config checked before the weights load)."""
     from kvbits.evaluate.models import LoadedModel, load_model
 
     if isinstance(model, str):
-        model = load_model(model, dtype=dtype, device=device or "cpu")
+        model = load_model(model, dtype=dtype, device=device or "cpu", check_config=check_config)
     elif isinstance(model, LoadedModel) and (dtype is not None or device is not None):
         cast_model(model.model, dtype, device)
     if isinstance(model, LoadedModel):
@@ -287,10 +290,17 @@ def _run_dtype(model: torch.nn.Module, dtype_name: str | None) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _load_checked_model(model: Any, torch_dtype: torch.dtype | None, device: Any, calibrations: dict[str, Any]):
-    """``_load_model``, then each calibration artifact checked against the model loaded
-    (``_check_calibration_models``): ``(model, tokenizer, name, fingerprint)``."""
-    loaded, tokenizer, name, fingerprint = _load_model(model, torch_dtype, device)
+def _load_checked_model(
+    model: Any,
+    torch_dtype: torch.dtype | None,
+    device: Any,
+    calibrations: dict[str, Any],
+    check_config: Callable[[Any], None] | None = None,
+):
+    """``_load_model`` (``check_config`` run on the config before the weights load), then each calibration
+    artifact checked against the model loaded (``_check_calibration_models``): ``(model, tokenizer, name,
+    fingerprint)``."""
+    loaded, tokenizer, name, fingerprint = _load_model(model, torch_dtype, device, check_config)
     _check_calibration_models(calibrations, model, loaded.config, fingerprint)
     return loaded, tokenizer, name, fingerprint
 

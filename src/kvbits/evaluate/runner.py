@@ -393,7 +393,9 @@ def evaluate(
         # the text before the model: a wrong data spec fails in a moment, not after the weights load
         text = load_text(data, data_path) if isinstance(data, str) else data
         model_spec = model
-        model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, load_device, calibrations)
+        model, tokenizer, model_name, model_fp = _load_checked_model(
+            model, torch_dtype, load_device, calibrations, lambda config: check_schemes_fit(resolved, config)
+        )  # a scheme the config rules out (groups not dividing head_dim) is refused before the weights load
         win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path, model)
         from kvbits.cache import attention_shape
 

@@ -291,7 +291,7 @@ def _layer_index(text: str, spec: str, where: str) -> int:
     digits = text.strip()
     if len(digits.lstrip("0")) > len(str(MAX_LAYERS)) or int(digits) >= MAX_LAYERS:
         raise ValueError(
-            f"mixed scheme {spec!r}: layer {digits} (in {where!r}) is out of range: layer indices count "
+            f"mixed scheme {_shown(spec)}: layer {digits} (in {where!r}) is out of range: layer indices count "
             f"from 0 and must be below the model's layer count (kvbits takes at most {MAX_LAYERS} layers)"
         )
     return int(digits)
@@ -312,16 +312,16 @@ def _parse_mixed(spec: str) -> KVScheme:
             dash and not _LAYER_INDEX.fullmatch(hi.strip())
         ):
             raise ValueError(
-                f"mixed scheme {spec!r}: expected BASE,LAYER=SCHEME or BASE,FIRST-LAST=SCHEME (layer indices "
-                f"from 0, e.g. 'int4-token,0-1=int8-token'), got {part!r}"
+                f"mixed scheme {_shown(spec)}: expected BASE,LAYER=SCHEME or BASE,FIRST-LAST=SCHEME (layer indices "
+                f"from 0, e.g. 'int4-token,0-1=int8-token'), got {_shown(part)}"
             )
         first = _layer_index(lo, spec, where)
         last = _layer_index(hi, spec, where) if dash else first
         if last < first:
-            raise ValueError(f"mixed scheme {spec!r}: layer range {where!r} is empty")
+            raise ValueError(f"mixed scheme {_shown(spec)}: layer range {_shown(where)} is empty")
         for i in range(first, last + 1):
             if i in layers:
-                raise ValueError(f"mixed scheme {spec!r}: layer {i} is given twice")
+                raise ValueError(f"mixed scheme {_shown(spec)}: layer {i} is given twice")
             layers[i] = sub
     # a layer given the base itself is stored as every other layer: kept, "int4-token,0=int4-token" got its own
     # name beside "int4-token" (two rows of one scheme, check_unique_names blind to them)
@@ -331,7 +331,7 @@ def _parse_mixed(spec: str) -> KVScheme:
             return get_scheme(base)
         return mixed_scheme(base, layers, name=mixed_name(base, layers))
     except (ValueError, TypeError) as exc:  # a typo in one name: say which string it is in
-        raise type(exc)(f"mixed scheme {spec!r}: {exc}") from exc
+        raise type(exc)(f"mixed scheme {_shown(spec)}: {exc}") from exc
 
 
 def _builtin(name: str) -> KVScheme | None:
@@ -398,6 +398,26 @@ def check_unique_names(names: list[str], verb: str, how: dict[str, str] | None =
         seen.add(name)
 
 
+SHOWN_CHARS = 120
+"""A scheme string longer than this is cut in error messages (``_shown``): a 100,000-character name is not
+echoed whole to the terminal or the log."""
+
+
+def _shown(spec: str) -> str:
+    """``repr(spec)``, cut to about ``SHOWN_CHARS`` characters (with the full length said) when longer."""
+    if len(spec) <= SHOWN_CHARS:
+        return repr(spec)
+    return f"{spec[:SHOWN_CHARS]!r}... ({len(spec)} characters)"
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False (not ``OSError``) for a name the OS refuses (too long, ...)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
     """Resolve a preset name, a path to a scheme JSON file, a dict, a ``KVScheme``, or a per-layer mix
     ``"BASE,LAYER=SCHEME,FIRST-LAST=SCHEME"`` of those names (``mixed_scheme``)."""
@@ -410,11 +430,11 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
     if spec in _REGISTRY:
         return _REGISTRY[spec]
     path = Path(spec).expanduser()
-    if "," in spec and "=" in spec and not (path.suffix.lower() == ".json" and path.is_file()):
+    if "," in spec and "=" in spec and not (path.suffix.lower() == ".json" and _is_file(path)):
         return _parse_mixed(spec)  # an existing file is read as one (a run folder "lr=0.1,bs=2/scheme.json")
-    if path.suffix.lower() == ".json" and not path.is_file():
+    if path.suffix.lower() == ".json" and not _is_file(path):
         raise ValueError(
-            f"scheme file {spec!r} does not exist; expected a preset name ({', '.join(_REGISTRY)}) "
+            f"scheme file {_shown(spec)} does not exist; expected a preset name ({', '.join(_REGISTRY)}) "
             "or the path of a scheme .json file"
         )
     if path.suffix.lower() == ".json":
@@ -426,7 +446,7 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
     near = _near_preset(spec)
     hint = f" (did you mean {near!r}?)" if near is not None else ""
     raise ValueError(
-        f"unknown scheme {spec!r}{hint}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)"
+        f"unknown scheme {_shown(spec)}{hint}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)"
     )
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -186,6 +187,7 @@ def load_model(
     device: str | torch.device = "cpu",
     download: bool = True,
     convert: bool = True,
+    check_config: Callable[[Any], None] | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer (None for a model folder without tokenizer files: its
     evaluations take token ids). An encoder or encoder-decoder is refused (``ValueError``,
@@ -201,6 +203,9 @@ def load_model(
         download: allow fetching registry models.
         convert: for GGUF sources, load from the verified float32 transformers copy in the cache
             (made on first use); False loads straight from the GGUF file (~25x slower, same tensors).
+        check_config: called with the model's config before its weights load (where the config is read
+            first: not for ``convert=False`` GGUF loads), to refuse what the config already rules out (a
+            scheme's groups that do not divide the head dim) without the load.
 
     Returns:
         A :class:`LoadedModel`, the model in eval mode with attention implementation ``sdpa``.
@@ -236,6 +241,8 @@ def load_model(
                 raise
             raise _hub_error(source, exc, unreachable) from exc
         check_causal_config(config, what=f"{source.name} ({type(config).__name__})")
+        if check_config is not None:
+            check_config(config)
     try:
         with parsing, hub_offline_if(unreachable):
             if "gguf_file" in kwargs:  # transformers' error for a GGUF without one names no file
