@@ -37,7 +37,7 @@ examples:
   kvbits eval --model smollm2-135m --data wikitext2 --context 512 --scheme kivi-4 \\
       --scheme hf-quanto-int4 --mode stream --json
 
---json prints exactly: {"model", "data", "context", "semantics", "mode", "windows",
+--json prints exactly: {"model", "data", "context", "semantics", "mode", "windows", "bos",
 "fingerprint": {"model", "tokens"}, "results": [{"scheme", "avg_bits", "bits_at_context", "ppl", "ppl_ref", "kl",
 "top1", "buckets": [{"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl",
 "top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "attn_entropy": [{"layer",
@@ -111,6 +111,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         data_path_help=DATA_PATH_HELP,
     )
     add_window_args(p, context=8192, windows=1)
+    p.add_argument(
+        "--bos",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="start each window with the tokenizer's BOS token: auto (the default) where the tokenizer adds one to a "
+        "text itself (Llama, Mistral, Gemma; SmolLM2 and Qwen2.5 add none), always, never (raw slices of the text); "
+        "with a BOS a window is the BOS and context - 1 text tokens, the BOS not scored; the summary's \"bos\" "
+        "says what ran (\"always\" / \"never\")",
+    )
     p.add_argument(
         "--scheme",
         action="append",
@@ -252,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             chunk_size=args.chunk_size,
             seed=args.seed,
+            bos=args.bos,
             progress=rank == 0 and not args.no_progress,
             argv=["kvbits", *sys.argv[1:]]
             if sys.argv and sys.argv[0].endswith(("kvbits", "__main__.py"))

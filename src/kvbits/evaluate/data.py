@@ -34,12 +34,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BOS_MODES",
     "TEXTS",
     "TextEntry",
     "TextSource",
     "data_search_path",
     "load_text",
     "make_windows",
+    "resolve_bos",
     "text_content_id",
     "token_fingerprint",
     "tokenize",
@@ -453,21 +455,63 @@ def _save_token_cache(path: Path, ids: torch.Tensor, text_source: TextSource, to
         })
 
 
-def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) -> torch.Tensor:
+BOS_MODES = ("auto", "always", "never")
+
+
+def resolve_bos(tokenizer: Any, mode: str = "auto") -> int | None:
+    """The id every evaluation window starts with, or None for raw slices of the text.
+
+    ``mode``: ``"never"`` (None), ``"always"`` (the tokenizer's ``bos_token_id``; ``ValueError`` when it has none),
+    ``"auto"`` (what ``tokenizer(text)`` adds itself: its ``bos_token_id`` when a probe tokenized with special
+    tokens starts with it and the same probe without them does not; Llama, Mistral and Gemma tokenizers add one,
+    SmolLM2's and Qwen2.5's none). A tokenizer of None (token ids given) resolves ``"auto"`` to None.
+    """
+    if mode not in BOS_MODES:
+        raise ValueError(f"bos must be one of {BOS_MODES}, got {mode!r}")
+    if mode == "never" or (mode == "auto" and tokenizer is None):
+        return None
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    if mode == "always":
+        if not isinstance(bos, int) or isinstance(bos, bool):
+            raise ValueError(
+                f"bos='always' needs a tokenizer with a BOS token; "
+                f"{'no tokenizer was given' if tokenizer is None else type(tokenizer).__name__ + ' has no bos_token_id'}"
+                ": use bos='never' (CLI: --bos never)"
+            )
+        return bos
+    if not isinstance(bos, int) or isinstance(bos, bool):
+        return None
+    probe = "Hello world"
+    try:
+        with_special = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+        without = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that can not be probed: its flag decides
+        logger.debug("could not probe %s for a BOS (%s); reading add_bos_token", type(tokenizer).__name__, exc)
+        return bos if getattr(tokenizer, "add_bos_token", False) is True else None
+    adds = bool(with_special) and with_special[0] == bos and (not without or without[0] != bos)
+    return bos if adds else None
+
+
+def make_windows(
+    ids: torch.Tensor, context: int, n_windows: int | None = None, bos_id: int | None = None
+) -> torch.Tensor:
     """Cut token ids into non-overlapping windows from the start: window ``i`` is
-    ``ids[i * context : (i + 1) * context]``. Windows are raw slices; no BOS is inserted.
+    ``ids[i * context : (i + 1) * context]`` without a BOS; with ``bos_id`` it is ``bos_id`` followed by
+    ``ids[i * (context - 1) : (i + 1) * (context - 1)]`` (the BOS is never a target: position 0 is not scored).
 
     Args:
         ids: token ids, shape ``(N,)``.
-        context: tokens per window (a Python or NumPy integer).
+        context: tokens per window (a Python or NumPy integer), the BOS included.
         n_windows: how many windows (an integer); None for as many as fit. More than fit gives what fits and a
             logged warning.
+        bos_id: the id each window starts with (:func:`resolve_bos`), or None for raw slices.
 
     Returns:
         A new tensor of shape ``(W, context)`` (a copy: later edits do not touch ``ids``).
 
     Raises:
-        ValueError: bad ``context``/``n_windows``, or fewer than ``context`` tokens.
+        ValueError: bad ``context``/``n_windows``/``bos_id`` (``context`` must be >= 2 with a BOS), or fewer
+            text tokens than one window holds.
         TypeError: ``ids`` is not a 1-D integer tensor.
     """
     import torch
@@ -482,11 +526,17 @@ def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) 
     if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, numbers.Integral)
                                   or n_windows < 1):
         raise ValueError(f"n_windows must be a positive int or None, got {n_windows!r}")
+    if bos_id is not None and (isinstance(bos_id, bool) or not isinstance(bos_id, numbers.Integral) or bos_id < 0):
+        raise ValueError(f"bos_id must be a token id (an int >= 0) or None, got {bos_id!r}")
+    if bos_id is not None and context < 2:
+        raise ValueError(f"context must be >= 2 with a BOS (the BOS and at least one text token), got {context}")
     context, n_windows = int(context), None if n_windows is None else int(n_windows)
-    fit = ids.numel() // context
+    step = context - (bos_id is not None)  # text tokens per window
+    fit = ids.numel() // step
     if fit == 0:
+        bos_note = f" ({step} text tokens after the BOS)" if bos_id is not None else ""
         raise ValueError(
-            f"text has {ids.numel()} tokens, fewer than one window of context={context} tokens"
+            f"text has {ids.numel()} tokens, fewer than one window of context={context} tokens{bos_note}"
         )
     if n_windows is None:
         n_windows = fit
@@ -494,7 +544,10 @@ def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) 
         logger.warning("asked for %d windows of %d tokens but the text (%d tokens) holds only %d; "
                        "using %d", n_windows, context, ids.numel(), fit, fit)
         n_windows = fit
-    return ids[: n_windows * context].reshape(n_windows, context).clone()
+    text = ids[: n_windows * step].reshape(n_windows, step)
+    if bos_id is None:
+        return text.clone()
+    return torch.cat([text.new_full((n_windows, 1), int(bos_id)), text], dim=1)
 
 
 def check_token_ids(ids: torch.Tensor, model: Any = None, what: str = "token ids") -> None:

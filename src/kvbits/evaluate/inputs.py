@@ -137,17 +137,21 @@ def check_data_arg(data: Any) -> Any:
 
 
 def _load_windows(
-    data: Any, tokenizer: Any, context: int, windows: int, data_path: str | None, model: Any = None
+    data: Any, tokenizer: Any, context: int, windows: int, data_path: str | None, model: Any = None,
+    bos: str = "never",
 ):
-    """``(windows (W, context) int64, data name, token fingerprint)``; token ids given as ``data`` must be
-    integers within ``model``'s embedding table (``check_token_ids``), and so must the ids text tokenizes to
-    (``check_tokenized``)."""
+    """``(windows (W, context) int64, data name, token fingerprint, BOS id or None)``; token ids given as ``data``
+    must be integers within ``model``'s embedding table (``check_token_ids``), and so must the ids text tokenizes to
+    (``check_tokenized``). ``bos`` (``data.BOS_MODES``): whether each window starts with the tokenizer's BOS
+    (``resolve_bos``; token ids: only ``"always"``, and only for ``(N,)`` ids). The token fingerprint of windows
+    with a BOS names it (``+bos<id>``): another input than the raw slices."""
     from kvbits.evaluate.data import (
         TextSource,
         check_token_ids,
         check_tokenized,
         load_text,
         make_windows,
+        resolve_bos,
         token_fingerprint,
         tokenize,
     )
@@ -155,6 +159,13 @@ def _load_windows(
     if isinstance(data, torch.Tensor):
         check_token_ids(data, model)
         ids = data.detach().cpu().long()
+        bos_id = resolve_bos(tokenizer, "always") if bos == "always" else None
+        if bos_id is not None and ids.dim() == 2:
+            raise ValueError(
+                f"bos='always' (CLI: --bos always) with token windows (W, T) = {tuple(ids.shape)}: rows given as "
+                "windows are evaluated as they are; give (N,) ids to have each window start with the BOS, or "
+                "put the BOS in the rows yourself and use bos='never'"
+            )
         if ids.dim() == 2:
             if ids.shape[1] != context:
                 raise ValueError(f"token windows have {ids.shape[1]} tokens, context is {context}")
@@ -165,19 +176,21 @@ def _load_windows(
                                ids.shape[0], ids.shape[0])  # fmt: skip
             win = ids[:windows].clone()
         elif ids.dim() == 1:
-            win = make_windows(ids, context, windows)
+            win = make_windows(ids, context, windows, bos_id)
         else:
             raise ValueError(f"token data must be (N,) or (W, T), got shape {tuple(ids.shape)}")
-        return win, "tokens", _ids_fingerprint(win)
+        return win, "tokens", _ids_fingerprint(win), bos_id
     if tokenizer is None:
         raise ValueError(
             "this model has no tokenizer (a bare transformers module, or a model folder without tokenizer "
             "files): pass token ids (a tensor) as data, or add the tokenizer files to the folder"
         )
     source = data if isinstance(data, TextSource) else load_text(data, data_path)
+    bos_id = resolve_bos(tokenizer, bos)
     ids = tokenize(source, tokenizer)
     check_tokenized(ids, tokenizer, model, f"the text {source.name!r}")
-    return make_windows(ids, context, windows), source.name, token_fingerprint(source, tokenizer)
+    fp = token_fingerprint(source, tokenizer) + ("" if bos_id is None else f"+bos{bos_id}")
+    return make_windows(ids, context, windows, bos_id), source.name, fp, bos_id
 
 
 def _calibrations(calibration: Any, schemes: list) -> dict[str, Any]:

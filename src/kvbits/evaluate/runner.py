@@ -63,7 +63,7 @@ from kvbits._json import dumps
 from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
 from kvbits._spelling import spell
 from kvbits.evaluate.calib_text import calibrated_on_eval_text, warn_calibrated_on_eval_text, warn_stored
-from kvbits.evaluate.data import load_text
+from kvbits.evaluate.data import BOS_MODES, load_text
 from kvbits.evaluate.distributed import kept_cuda_device, resolve_ranks
 from kvbits.evaluate.generation import (
     check_can_generate,
@@ -236,6 +236,7 @@ def evaluate(
     generate: int = 0,
     on_pass: Callable[[int, int, str], None] | None = None,
     progress_label: str = "kvbits eval",
+    bos: str = "auto",
 ) -> dict[str, Any]:
     """Measure each scheme against the unquantized model, by position bucket.
 
@@ -283,6 +284,11 @@ def evaluate(
             (this rank's windows; ``windows`` those the run measures): a caller's progress without the bar
             (``kvbits tune`` logs one line per probed layer); not called for a stored run that is reused.
         progress_label: the command the bar's plain lines on a non-terminal stderr name (``"kvbits tune"``).
+        bos: ``"auto"`` (each window starts with the tokenizer's BOS where ``tokenizer(text)`` adds one: Llama,
+            Mistral, Gemma; SmolLM2 and Qwen2.5 add none), ``"always"`` or ``"never"``; with a BOS a window is the BOS
+            and ``context - 1`` text tokens, the BOS not scored (``data.resolve_bos``, ``data.make_windows``). Token
+            ids given as ``data`` get a BOS only with ``"always"`` (``(N,)`` ids; ``(W, context)`` rows are refused).
+            The summary's ``"bos"`` says what ran (``"always"`` / ``"never"``; a record without it: ``"never"``).
 
     Returns:
         The summary: ``{"model", "data", "context", "semantics", "mode", "windows", "fingerprint":
@@ -309,6 +315,8 @@ def evaluate(
         seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
         # simulate() refused a bad one only after the model loaded and the first reference pass ran
         chunk_size = check_int("chunk_size", chunk_size, 1)
+        if bos not in BOS_MODES:
+            raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
     # a scheme JSON path is read from this rank's own disk: a file missing on one node only would leave the other
     # ranks waiting in the next collective for the collective timeout (24 h under kvbits eval)
     with ranks.agree("reading its scheme files"):
@@ -371,6 +379,8 @@ def evaluate(
             request["fused_decode"] = check_mode(fused_decode)
         if generate:  # runs without generation keep the hash they had before it existed
             request["generate"] = generate
+        if bos != "auto":  # runs with the default keep their hash: the model (tokenizer included) is by content,
+            request["bos"] = bos  # so "auto" resolves the same way for the same request
         # the rank count is not part of the request: any number of ranks computes the same run
         chash = config_hash(request)
     # a rank's device and data folder may be its own (cuda:1, another mount); the rest is one run's
@@ -396,7 +406,7 @@ def evaluate(
         model, tokenizer, model_name, model_fp = _load_checked_model(
             model, torch_dtype, load_device, calibrations, lambda config: check_schemes_fit(resolved, config)
         )  # a scheme the config rules out (groups not dividing head_dim) is refused before the weights load
-        win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path, model)
+        win, data_name, tokens_fp, bos_id = _load_windows(text, tokenizer, context, windows, data_path, model, bos)
         from kvbits.cache import attention_shape
 
         n_layers, _, kv_heads, head_dim = attention_shape(model.config)
@@ -485,6 +495,7 @@ def evaluate(
                     "chunk_size": chunk_size,
                     "seed": seed,
                     "generate": generate or None,
+                    "bos": bos,
                     "fused_decode": (
                         {True: "on", False: "off"}.get(request["fused_decode"], "auto")
                         if mode == "stream"
@@ -694,6 +705,7 @@ def evaluate(
         "semantics": semantics,
         "mode": mode,
         "windows": W,
+        "bos": "never" if bos_id is None else "always",
         "fingerprint": fingerprint,
         "results": results,
         "reference_seconds": run["reference_seconds"],

@@ -469,7 +469,7 @@ def _prompts(
     text, repeated when it holds fewer than ``batch`` of them (logged)."""
     from kvbits.evaluate.inputs import _load_windows
 
-    win, name, fp = _load_windows(data, tokenizer, context, batch, data_path, model)
+    win, name, fp, _ = _load_windows(data, tokenizer, context, batch, data_path, model)
     distinct = int(win.shape[0])
     if distinct < batch:
         logger.warning(

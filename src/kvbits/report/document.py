@@ -179,7 +179,9 @@ def build_document(
     meta = [
         ("Model", code(run.model) + (f" (fingerprint {code(str(fp['model']))})" if fp.get("model") else "")),
         ("Data", code(run.data) + (f" (tokens fingerprint {code(str(fp['tokens']))})" if fp.get("tokens") else "")),
-        ("Context", f"{run.context} tokens per window, {run.windows} window(s)"),
+        ("Context", f"{run.context} tokens per window, {run.windows} window(s)"
+                    + (" (each the BOS token and the next context - 1 text tokens; the BOS not scored)"
+                       if run.bos == "always" else "")),
         ("Semantics", f"{code(run.semantics)}, {code(run.mode)} mode"),
     ]
     if run.peak_memory:

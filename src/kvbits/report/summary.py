@@ -268,6 +268,7 @@ class RunSummary:
     semantics: str = "?"
     mode: str = "?"
     windows: int = 0
+    bos: str = "never"  # "always": each window started with the tokenizer's BOS (a record without the field: never)
     fingerprint: Mapping[str, Any] = field(default_factory=dict)
     results: tuple[SchemeResult, ...] = ()
     reference_seconds: float = math.nan
@@ -296,6 +297,7 @@ class RunSummary:
             model=str(d.get("model", "?")), data=str(d.get("data", "?")),
             context=int(ctx) if _ok(ctx) else 0, semantics=str(d.get("semantics", "?")),
             mode=str(d.get("mode", "?")), windows=int(win) if _ok(win) else 0,
+            bos="always" if d.get("bos") == "always" else "never",
             fingerprint=dict(fingerprint or {}),
             results=tuple(SchemeResult.from_dict(r, f"results[{i}]") for i, r in enumerate(results)),
             reference_seconds=_num(d.get("reference_seconds")),

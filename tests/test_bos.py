@@ -1,0 +1,91 @@
+"""Beginning-of-sequence tokens in evaluation windows (``--bos``): a tokenizer that adds a BOS to a text itself
+(Llama, Mistral, Gemma) had every window cut as a raw slice with no BOS at all, not even the first one (``tokenize``
+drops special tokens), so the first text token became the attention sink; now ``bos="auto"`` (the default) starts
+each window with the BOS, and a tokenizer that adds none (SmolLM2, Qwen2.5) keeps raw slices."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+import transformers
+from _bytelevel import VOCAB, byte_tokenizer, write_sentences
+from _tinyllama import tiny_llama
+
+from kvbits.evaluate.data import TextSource, make_windows, resolve_bos, tokenize
+
+
+def bos_tokenizer(adds: bool = True) -> transformers.PreTrainedTokenizerFast:
+    """The byte-level tokenizer with byte id 0 as its BOS, which ``tokenizer(text)`` puts first when ``adds``."""
+    from tokenizers import processors
+
+    tok = byte_tokenizer()
+    bos = tok.convert_ids_to_tokens(0)
+    inner = tok.backend_tokenizer
+    if adds:
+        inner.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=bos)
+
+
+def test_make_windows_with_a_bos_puts_it_first_and_then_context_minus_one_text_tokens():
+    ids = torch.arange(100, 130)
+    win = make_windows(ids, 8, bos_id=1)
+    assert win.shape == (4, 8)  # 30 text tokens // 7 per window
+    assert win[:, 0].tolist() == [1] * 4
+    assert win[:, 1:].reshape(-1).tolist() == list(range(100, 128))  # consecutive, none skipped or repeated
+    assert make_windows(ids, 8).reshape(-1).tolist() == list(range(100, 124))  # without: raw slices, as before
+    with pytest.raises(ValueError, match="context must be >= 2 with a BOS"):
+        make_windows(ids, 1, bos_id=1)
+    with pytest.raises(ValueError, match="bos_id must be a token id"):
+        make_windows(ids, 8, bos_id=-1)
+
+
+def test_auto_follows_what_the_tokenizer_adds_to_a_text():
+    adds, none = bos_tokenizer(True), bos_tokenizer(False)
+    assert adds("Hi")["input_ids"][0] == 0 and none("Hi")["input_ids"][0] != 0
+    assert resolve_bos(adds, "auto") == 0
+    assert resolve_bos(none, "auto") is None  # a BOS token it never adds (SmolLM2, Qwen2.5): raw slices
+    assert resolve_bos(none, "always") == 0
+    assert resolve_bos(adds, "never") is None
+    assert resolve_bos(None, "auto") is None
+    with pytest.raises(ValueError, match="needs a tokenizer with a BOS token"):
+        resolve_bos(byte_tokenizer(), "always")
+    with pytest.raises(ValueError, match="bos must be one of"):
+        resolve_bos(adds, "yes")
+
+
+def test_tokenized_text_keeps_no_bos_and_windows_get_one_each():
+    text = "The old man walked down to the harbour before dawn. " * 4
+    src = TextSource("t", text, hashlib.sha256(text.encode()).hexdigest())
+    tok = bos_tokenizer(True)
+    ids = tokenize(src, tok, use_cache=False)
+    assert ids[0] != 0  # the whole text carries no BOS: the windows add it
+    win = make_windows(ids, 16, 3, resolve_bos(tok, "auto"))
+    assert win[:, 0].tolist() == [0, 0, 0]
+    assert win[0, 1:].tolist() == ids[:15].tolist()
+
+
+def test_evaluate_starts_windows_with_the_bos_records_it_and_hashes_another_run(tmp_path):
+    from kvbits.evaluate import evaluate
+    from kvbits.evaluate.models import LoadedModel, ModelSource
+    from kvbits.report.summary import RunSummary
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    lm = LoadedModel(tiny_llama(), bos_tokenizer(True), ModelSource(name="tb", path="tb"), "tinybos000000000")
+    assert lm.model.config.vocab_size == VOCAB
+    auto = evaluate(lm, text, 16, ["int4-token"], windows=2, out_dir=tmp_path / "auto")
+    never = evaluate(lm, text, 16, ["int4-token"], windows=2, out_dir=tmp_path / "never", bos="never")
+    assert auto["bos"] == "always" and never["bos"] == "never"
+    assert auto["fingerprint"]["tokens"] != never["fingerprint"]["tokens"]
+    assert auto["results"][0]["ppl_ref"] != never["results"][0]["ppl_ref"]
+    stored = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    assert stored["bos"] == "always" and RunSummary.from_dict(stored).bos == "always"
+    assert RunSummary.from_dict({k: v for k, v in stored.items() if k != "bos"}).bos == "never"  # an old record
+    # the same folder with another bos is another run: refused (not reused) without overwrite
+    with pytest.raises(Exception, match="(?i)another|different|overwrite"):
+        evaluate(lm, text, 16, ["int4-token"], windows=2, out_dir=tmp_path / "never", bos="always")
+    # a tokenizer that adds no BOS: auto is raw slices, the hash of a run from before --bos
+    plain = LoadedModel(tiny_llama(), bos_tokenizer(False), ModelSource(name="tb", path="tb"), "tinyplain0000000")
+    assert evaluate(plain, text, 16, ["int4-token"], windows=1)["bos"] == "never"
