@@ -687,6 +687,7 @@ SUMMARY_KEYS = {
     "semantics",
     "mode",
     "windows",
+    "bos",
     "fingerprint",
     "results",
     "reference_seconds",
