@@ -533,6 +533,7 @@ _DELETE = object()
         (("data", "context"), -100, "data.context must be a positive integer"),
         (("data", "context"), 0, "data.context must be a positive integer"),
         (("data", "context"), 128.0, "data.context must be a positive integer"),
+        (("data", "context"), _DELETE, "data.context is missing"),  # not a KeyError in max_calibrated_length
         (("model", "num_layers"), "two", "model.num_layers must be a positive integer, got 'two'"),
         (("model", "num_layers"), 2.7, "model.num_layers must be a positive integer, got 2.7"),
         (("model", "model_type"), _DELETE, "model.model_type is missing"),

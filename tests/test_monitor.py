@@ -1177,3 +1177,34 @@ def test_cli_monitor_names_the_files_it_wrote(tmp_path, monkeypatch, capsys) -> 
     assert f"wrote {prom} (Prometheus text)" in out and prom.is_file()
     assert f"appended 2 event(s) to {events} (JSON lines)" in out
     assert len(events.read_text().splitlines()) == 2
+
+
+def test_cli_monitor_beyond_calibration_end_to_end(tmp_path, monkeypatch, capsys, caplog) -> None:
+    """``kvbits monitor --beyond-calibration --calibration DIR`` on a tiny model past its 64 calibrated tokens: every
+    run ended in "too many values to unpack (expected 3)" (watch() unpacked three of _load_windows' four values); now
+    each layer is held at token 65, said once per layer, and the run's summary says the context passed 64."""
+    from _wordlevel import save_word_tokenizer, write_word_text
+
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+    from kvbits.cli import main
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    text = write_word_text(tmp_path / "book.txt", 400)
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    cal = artifact_from_samples("kvquant-4", keys, keys, meta={"model": describe_model(cfg)}).save(tmp_path / "cal")
+    argv = ["monitor", "--model", str(folder), "--data", str(text), "--context", "200", "--scheme", "kvquant-4",
+            "--beyond-calibration", "--calibration", str(cal)]  # fmt: skip
+    with caplog.at_level("WARNING", logger="kvbits"):
+        assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "past the 64 the calibration saw" in out and "held layers: [0, 1]" in out
+    said = [r.getMessage() for r in caplog.records if "beyond_calibration" in r.getMessage()]
+    assert len(said) == 2 and all("threshold 64" in s and "at token 65" in s for s in said), said

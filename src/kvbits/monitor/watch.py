@@ -62,7 +62,7 @@ def watch(
     # as every other command that runs a model: refused past a learned position table (torch's IndexError inside the
     # model otherwise), logged as extrapolation past a RoPE model's max_position_embeddings
     check_context_fits(lm.config, context)
-    windows, _, _ = _load_windows(data, tokenizer, context, 1, data_path, lm)
+    windows = _load_windows(data, tokenizer, context, 1, data_path, lm)[0]  # (windows, name, fingerprint, BOS id)
     if windows.shape[0] == 0:
         raise ValueError(f"the text has fewer than {context} tokens")
     ids = windows[:1].to(next(lm.parameters()).device)

@@ -290,8 +290,9 @@ def _layer_index(text: str, spec: str, where: str) -> int:
     against ``MAX_LAYERS`` before any range is expanded."""
     digits = text.strip()
     if len(digits.lstrip("0")) > len(str(MAX_LAYERS)) or int(digits) >= MAX_LAYERS:
+        shown = digits if len(digits) <= SHOWN_CHARS else f"{digits[:SHOWN_CHARS]}... ({len(digits)} digits)"
         raise ValueError(
-            f"mixed scheme {_shown(spec)}: layer {digits} (in {where!r}) is out of range: layer indices count "
+            f"mixed scheme {_shown(spec)}: layer {shown} (in {_shown(where)}) is out of range: layer indices count "
             f"from 0 and must be below the model's layer count (kvbits takes at most {MAX_LAYERS} layers)"
         )
     return int(digits)
