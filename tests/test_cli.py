@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -72,6 +73,35 @@ def test_schemes_table_renders(capsys):
     for s in list_schemes():
         assert s.name in out
     assert "arXiv:2402.02750" in out  # KIVI's paper, shortened
+
+
+def test_schemes_piped_wraps_descriptions_and_centres_the_title_over_the_table(capsys, monkeypatch):
+    """Piped (`kvbits schemes > f.txt`), the unbounded console laid vllm-int4's 669-character description on one
+    line: every row, border and the padded title were 859 characters, the title centred near column 400. The
+    description column now wraps at ``kvbits._console.PIPE_PROSE_WIDTH`` in a pipe (not on a terminal); no word is
+    cut."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    assert main(["schemes"]) == 0
+    lines = capsys.readouterr().out.rstrip("\n").split("\n")
+    title, rows = lines[0], [ln for ln in lines if ln[:1] in "┏┃┡│└"]
+    widest = max(len(r) for r in rows)
+    assert all(len(ln) <= widest for ln in lines) and widest < 400
+    left = len(title) - len(title.lstrip())
+    assert abs(left - (widest - len(title.strip())) / 2) <= 1  # centred over the table
+    text = " ".join(ln.split("│")[8].strip() for ln in rows if ln.startswith("│"))
+    for s in list_schemes():
+        assert " ".join(s.description.split()) in " ".join(text.split())
+
+
+def test_prose_width_leaves_a_terminal_alone():
+    from rich.console import Console
+
+    from kvbits._console import PIPE_PROSE_WIDTH, prose_width
+
+    assert prose_width(Console(force_terminal=True, width=300)) is None
+    assert prose_width(Console(file=io.StringIO())) == PIPE_PROSE_WIDTH
 
 
 def test_speed_table_piped_is_not_cut(capsys, monkeypatch):

@@ -10,6 +10,9 @@ if TYPE_CHECKING:
 # stdout that is not a terminal (a pipe, a log file, CI) has no width to fit: rich's 80-column default cut table
 # cells to "+262…" / "kvqua…". Lines there are as long as their content (a table is as wide as its cells).
 UNBOUNDED_WIDTH = 100_000
+# ... except prose: a pipe's free-text column (`kvbits schemes`' descriptions, one of 669 characters) wraps at this
+# width, else every row of its table (borders, title centred over it) is as long as the longest sentence.
+PIPE_PROSE_WIDTH = 100
 
 
 def fold_columns(table: Any) -> Any:
@@ -19,6 +22,13 @@ def fold_columns(table: Any) -> Any:
         if column.overflow == "ellipsis":
             column.overflow = "fold"
     return table
+
+
+def prose_width(console: Console) -> int | None:
+    """The ``max_width`` for a free-text (prose) column on ``console``: ``None`` on a terminal (its width already
+    wraps it; terminal output is left as it was), :data:`PIPE_PROSE_WIDTH` on a pipe or a file, whose unbounded
+    width would otherwise stretch the column, and its whole table, to the longest sentence on one line."""
+    return None if console.is_terminal else PIPE_PROSE_WIDTH
 
 
 def stdout_console() -> Console:

@@ -183,6 +183,9 @@ def _schemes_run(args: argparse.Namespace) -> int:
         if unsupported
         else None
     )
+    from kvbits._console import prose_width
+
+    console = _console()
     table = Table(
         title=f"kvbits schemes (average bits at head dim {args.head_dim}, metadata included)", caption=caption
     )
@@ -194,7 +197,7 @@ def _schemes_run(args: argparse.Namespace) -> int:
         ("residual", {"justify": "right"}),
         ("block", {"justify": "right"}),
         ("avg bits", {"justify": "right"}),
-        ("description", {"ratio": 3}),
+        ("description", {"ratio": 3, "max_width": prose_width(console)}),
         ("paper", {"no_wrap": True}),
     ):
         table.add_column(col, **kw)
@@ -210,7 +213,7 @@ def _schemes_run(args: argparse.Namespace) -> int:
             r["description"],
             _paper_label(r["reference"]),
         )
-    _console().print(table)
+    console.print(table)
     return EXIT_OK
 
 
