@@ -795,6 +795,18 @@ def test_export_record_and_cli_warn_against_calculate_kv_scales(fp8, tmp_path, c
     assert "note: do not add --calculate-kv-scales" in capsys.readouterr().out
 
 
+def test_export_record_and_cli_say_the_scales_assume_ocp_e4m3(fp8, tmp_path, capsys):
+    """The exported scales are absmax / 448 (OCP E4M3); on ROCm MI300 vLLM's fp8 is E4M3FNUZ (max 240). The record
+    and the printed advice did not say which FP8 the scales are for, nor that kvbits can not know the target GPU."""
+    from kvbits.cli import main
+
+    _, _, cal, _ = fp8
+    rec = export_vllm(cal, tmp_path / "x")
+    assert sum("E4M3FNUZ" in n and "absmax / 448" in n for n in rec["notes"]) == 1
+    assert main(["export", "--calibration", str(cal), "--out", str(tmp_path / "y")]) == 0
+    assert "note: kvbits' FP8 scales are for OCP E4M3" in capsys.readouterr().out
+
+
 def _tiny_hybrid(kind: str) -> torch.nn.Module:
     """A 4-layer hybrid decoder: layers 1 and 3 attend, 0 and 2 are linear attention (Qwen3-Next) or convolutions
     (LFM2)."""

@@ -16,20 +16,20 @@ from kvbits.schemes import get_scheme
 @pytest.mark.parametrize(
     ("scheme", "dtype", "skip", "cli"),
     [
-        ("vllm-int4", "int4_per_token_head", (), ["--kv-cache-dtype", "int4_per_token_head"]),
+        ("vllm-int4", "int4_per_token_head", (), ["--kv-cache-dtype", "int4_per_token_head", "--attention-backend", "TRITON_ATTN"]),
         ("vllm-int4,0=fp16", "int4_per_token_head", (0,),
-         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "0"]),
+         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "0", "--attention-backend", "TRITON_ATTN"]),
         ("vllm-int4,5=bf16,0-1=fp16", "int4_per_token_head", (0, 1, 5),
-         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "0", "1", "5"]),
+         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "0", "1", "5", "--attention-backend", "TRITON_ATTN"]),
         ("fp8-e4m3,23=fp16", "fp8", (23,), ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "23"]),
         ("fp8-e4m3-head", "fp8", (), ["--kv-cache-dtype", "fp8", "--attention-backend", "FLASH_ATTN"]),
         ("fp8-e4m3-head,0=fp16", "fp8", (0,),
          ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0", "--attention-backend", "FLASH_ATTN"]),
         ("vllm-int8,0=fp16", "int8_per_token_head", (0,),
-         ["--kv-cache-dtype", "int8_per_token_head", "--kv-cache-dtype-skip-layers", "0"]),
-        ("fp8-e4m3-token", "fp8_per_token_head", (), ["--kv-cache-dtype", "fp8_per_token_head"]),
+         ["--kv-cache-dtype", "int8_per_token_head", "--kv-cache-dtype-skip-layers", "0", "--attention-backend", "TRITON_ATTN"]),
+        ("fp8-e4m3-token", "fp8_per_token_head", (), ["--kv-cache-dtype", "fp8_per_token_head", "--attention-backend", "TRITON_ATTN"]),
         ("vllm-fp8-token,2=fp16", "fp8_per_token_head", (2,),
-         ["--kv-cache-dtype", "fp8_per_token_head", "--kv-cache-dtype-skip-layers", "2"]),
+         ["--kv-cache-dtype", "fp8_per_token_head", "--kv-cache-dtype-skip-layers", "2", "--attention-backend", "TRITON_ATTN"]),
         ("fp16", "auto", (), []),
         ("bf16", "auto", (), []),
     ],
@@ -156,12 +156,14 @@ def test_an_unquantized_base_with_one_vllm_format_on_some_layers_needs_the_layer
 def test_cli_prints_the_flags_and_json(capsys):
     assert main(["export", "--format", "vllm", "--scheme", "vllm-int4,0=fp16"]) == 0
     out = capsys.readouterr().out
-    assert "serve: vllm serve <model> --kv-cache-dtype int4_per_token_head --kv-cache-dtype-skip-layers 0\n" in out
+    assert ("serve: vllm serve <model> --kv-cache-dtype int4_per_token_head --kv-cache-dtype-skip-layers 0 "
+            "--attention-backend TRITON_ATTN\n") in out
     assert "kv_cache_dtype_skip_layers=['0']" in out and "note: " in out
     assert main(["export", "--scheme", "vllm-int4", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["kv_cache_dtype"] == "int4_per_token_head" and record["skip_layers"] == []
-    assert record["cli"] == ["--kv-cache-dtype", "int4_per_token_head"] and record["scheme"] == "vllm-int4"
+    assert record["cli"] == ["--kv-cache-dtype", "int4_per_token_head", "--attention-backend", "TRITON_ATTN"]
+    assert record["scheme"] == "vllm-int4"
 
 
 @pytest.mark.parametrize(
@@ -215,8 +217,8 @@ def test_fp8_per_token_codes_are_vllms():
     assert torch.equal(exact.data.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(exact.dequantize(torch.float32), want.float() * scale)
     assert exact.clipped == 0 and (xf / scale).abs().max() > 448  # such a row is there (the test can tell)
-    notes = vllm_cache_args("vllm-fp8-token").notes + vllm_cache_args("fp8-e4m3-token").notes
-    assert any("same bytes" in n for n in notes[:1]) and "vllm-fp8-token counts them" in notes[1]
+    assert "same bytes" in vllm_cache_args("vllm-fp8-token").notes[0]
+    assert "vllm-fp8-token counts them" in vllm_cache_args("fp8-e4m3-token").notes[0]
 
 
 def test_skipped_layers_beside_per_token_head_formats_warn_about_vllms_pages():
@@ -311,3 +313,42 @@ def test_an_unquantized_base_with_a_layer_vllm_has_no_format_for_says_so(scheme)
     with pytest.raises(ValueError, match=r"vLLM has no KV-cache format storing '(kivi-2|kvquant-4)' \(") as exc:
         vllm_cache_args(scheme, 4)
     assert "one quantized format per engine" not in str(exc.value)
+
+
+@pytest.mark.parametrize("scheme", ["vllm-int4", "vllm-int8,0=fp16", "vllm-fp8-token", "fp8-e4m3-token", "fp16,1=vllm-int4"])
+def test_per_token_head_dtypes_name_the_triton_backend_vllm_requires(scheme):
+    """vLLM's quantized KV cache page says the ``*_per_token_head`` dtypes need the Triton attention backend, and
+    ``fp8_per_token_head`` compute capability 8.9: kvbits printed ``--kv-cache-dtype int4_per_token_head`` alone, no
+    backend and no capability note. Both are now given (the backend in the CLI, the engine kwargs and the JSON)."""
+    got = vllm_cache_args(scheme, 4)
+    assert got.attention_backend == "TRITON_ATTN"
+    assert got.cli()[-2:] == ["--attention-backend", "TRITON_ATTN"]
+    assert got.engine_kwargs()["attention_backend"] == "TRITON_ATTN"
+    assert any("Triton attention backend" in n and "quantized_kvcache" in n for n in got.notes)
+    fp8 = got.kv_cache_dtype == "fp8_per_token_head"
+    assert any("compute capability 8.9" in n for n in got.notes) == fp8
+    for other in ("fp8-e4m3", "fp16"):  # no per-token-head dtype: no Triton backend, no capability note
+        assert vllm_cache_args(other).attention_backend is None
+        assert not any("Triton" in n or "8.9" in n for n in vllm_cache_args(other).notes)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "lost"),
+    [("vllm-int4,1=kivi-2", ["128 most recent tokens in full precision", "at 2 bits, not 4 or 8", "keys scaled per channel"]),
+     ("fp8-e4m3,0=kvquant-4", ["4-bit non-uniform codebook", "keys quantized before RoPE"])],
+)  # fmt: skip
+def test_a_quantized_base_with_a_layer_vllm_has_no_format_for_says_what_it_loses(scheme, lost):
+    """``vllm-int4,1=kivi-2`` was refused with only "give that layer fp16 or bf16", not what kivi-2 keeps that
+    vLLM would lose (its residual window, 2-bit codes, per-channel keys); the refusal now names them."""
+    with pytest.raises(ValueError, match=r"stores layer \d as '(kivi-2|kvquant-4)' \(.*vLLM can not\)") as exc:
+        vllm_cache_args(scheme)
+    assert all(x in str(exc.value) for x in lost), str(exc.value)
+    assert "give that layer fp16 or bf16" in str(exc.value)
+
+
+def test_static_fp8_notes_say_the_scales_assume_ocp_e4m3():
+    """On ROCm MI300 vLLM's fp8 is E4M3FNUZ (max 240, not 448): nothing said kvbits' scales are for OCP E4M3, nor that
+    kvbits can not know the target GPU."""
+    for scheme in ("fp8-e4m3", "fp8-e4m3-head,0=fp16"):
+        assert sum("E4M3FNUZ" in n and "absmax / 448" in n for n in vllm_cache_args(scheme).notes) == 1
+    assert not any("FNUZ" in n for n in vllm_cache_args("vllm-fp8-token").notes)  # vLLM's own dynamic scales

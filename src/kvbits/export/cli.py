@@ -22,7 +22,8 @@ examples:
   kvbits export --format vllm --scheme "vllm-int4,0=fp16"
 
 --scheme S prints vLLM's KV-cache settings for a scheme vLLM stores as kvbits measured it: vllm-int4
-(int4_per_token_head), vllm-int8 (int8_per_token_head), vllm-fp8-token / fp8-e4m3-token (fp8_per_token_head), fp8-e4m3 /
+(int4_per_token_head), vllm-int8 (int8_per_token_head), vllm-fp8-token / fp8-e4m3-token (fp8_per_token_head; these
+three with --attention-backend TRITON_ATTN, which vLLM's docs require for them), fp8-e4m3 /
 fp8-e4m3-head (fp8, with --attention-backend FLASH_ATTN), fp16 / bf16 (auto), each with layers stored as fp16 or
 bf16 given to --kv-cache-dtype-skip-layers (read from vLLM's source, not run here); anything else is refused,
 saying why. --json: {"scheme", "kv_cache_dtype", "skip_layers", "attention_backend", "cli", "engine_kwargs", "notes"}.
@@ -40,7 +41,8 @@ of the same architecture is accepted, and its scales may be wrong). A failed exp
 replaces the links and index an earlier one made there (weights it did not make are refused).
 Without --checkpoint, --out holds the scales alone, which vLLM does not serve (the command says so).
 Serve a --checkpoint export with: vllm serve <out> --kv-cache-dtype fp8, without --calculate-kv-scales (vLLM
-versions that have it then compute scales from the first batch and skip the exported ones).
+versions that have it then compute scales from the first batch and skip the exported ones). The scales are for
+OCP E4M3 (absmax / 448); on ROCm MI300 vLLM's fp8 is E4M3FNUZ (max 240): the notes say so.
 --json prints the export record (kvbits_export.json): {"format", "created", "calibration",
 "kv_cache_scheme", "layers": [{"layer", "k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
 "v_absmax", "module"}], "serve", "notes",

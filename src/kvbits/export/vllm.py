@@ -23,7 +23,9 @@ fp8-e4m3``): per layer (and head), the largest post-RoPE ``|K|`` and ``|V|`` ove
 token, over 448, raised to the least-error grid phase by default (``--fp8-scale centred``). They mean the
 same thing in both: kvbits' FP8 cache quantizes as vLLM does (divide by the scale, round to nearest,
 saturate at 448), so ``kvbits eval --scheme fp8-e4m3 --calibration DIR`` measures what vLLM will
-store.
+store. The scales are for OCP E4M3 (max 448); on ROCm MI300 vLLM's fp8 is E4M3FNUZ (max 240) and its
+``kv_cache.py`` (read, not run) doubles checkpoint scales there, keeping the same codes: kvbits can not know the
+target GPU, so the export's notes say so (``FNUZ_NOTE``).
 
 What is not exported: vLLM's kv-cache method also loads ``{module}.q_scale`` and ``.prob_scale`` (its
 ``BaseKVCacheMethod.create_weights``, ``vllm/model_executor/layers/quantization/kv_cache.py``). With an FP8
@@ -661,7 +663,7 @@ def export_vllm(
     stats = art.layer_stats
     strategy = _strategy(art)
     # per-head scales reach vLLM's FlashAttention backend only; the others use each layer's largest
-    from kvbits.export.vllm_flags import CALCULATE_KV_SCALES_NOTE
+    from kvbits.export.vllm_flags import CALCULATE_KV_SCALES_NOTE, FNUZ_NOTE
 
     serve_flags = " --attention-backend FLASH_ATTN" if strategy == "attn_head" else ""
     record: dict[str, Any] = {
@@ -689,7 +691,7 @@ def export_vllm(
             for j, (layer, name) in enumerate(zip(art.kv_layers, _module_names(art, module_template), strict=True))
         ],
         "serve": f"vllm serve <checkpoint> --kv-cache-dtype fp8{serve_flags}",
-        "notes": [CALCULATE_KV_SCALES_NOTE],
+        "notes": [CALCULATE_KV_SCALES_NOTE, FNUZ_NOTE],
     }
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():

@@ -15,6 +15,8 @@ onto them when every layer is either the base format or unquantized:
 - base ``fp8-e4m3`` / ``fp8-e4m3-head`` (static scales) -> ``fp8``: vLLM uses scale 1.0 unless the checkpoint
   carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated; per-head scales
   also ``--attention-backend FLASH_ATTN``, the one backend that applies them (the others take each layer's largest);
+- the ``*_per_token_head`` dtypes also ``--attention-backend TRITON_ATTN``, the backend vLLM's quantized KV cache
+  page requires for them (``fp8_per_token_head`` also a GPU of compute capability 8.9 or more: a note says so);
 - base ``fp16`` / ``bf16`` -> ``auto``;
 - a layer stored as ``fp16`` or ``bf16`` -> a skipped layer;
 - base ``fp16`` / ``bf16`` with layers stored in one of the formats above (``kvbits tune`` takes as base the
@@ -33,7 +35,10 @@ from dataclasses import dataclass, field
 
 from kvbits.schemes import KVScheme, get_scheme
 
-__all__ = ["CALCULATE_KV_SCALES_NOTE", "FP8_STATIC", "VllmCacheArgs", "match_preset", "vllm_cache_args"]
+__all__ = [
+    "CALCULATE_KV_SCALES_NOTE", "FNUZ_NOTE", "FP8_PER_TOKEN_HEAD_CC_NOTE", "FP8_STATIC", "PER_TOKEN_HEAD_BACKEND_NOTE",
+    "VllmCacheArgs", "match_preset", "vllm_cache_args",
+]
 
 # the kvbits presets whose storage vLLM reproduces, by --kv-cache-dtype value
 _FORMATS = {
@@ -50,6 +55,26 @@ CALCULATE_KV_SCALES_NOTE = (
 )
 """Said wherever kvbits prints or writes a serve line for vLLM's static ``fp8`` cache (``vllm_cache_args``' notes,
 ``kvbits export --calibration``'s record): the one vLLM flag that silently discards the exported scales."""
+_QUANTIZED_KVCACHE_PAGE = "docs.vllm.ai/en/latest/features/quantization/quantized_kvcache/"
+PER_TOKEN_HEAD_BACKEND_NOTE = (
+    "vLLM's quantized KV cache page (" + _QUANTIZED_KVCACHE_PAGE + ") says the *_per_token_head cache dtypes need "
+    "the Triton attention backend: --attention-backend TRITON_ATTN (given here; TritonAttentionBackend's name in "
+    "vLLM's source, the one backend listing these dtypes; a vLLM without --attention-backend reads "
+    "VLLM_ATTENTION_BACKEND=TRITON_ATTN instead)"
+)
+"""Said with every ``*_per_token_head`` dtype: why the settings name ``TRITON_ATTN``."""
+FP8_PER_TOKEN_HEAD_CC_NOTE = (
+    "fp8_per_token_head needs a GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell: native FP8), per "
+    "vLLM's quantized KV cache page (" + _QUANTIZED_KVCACHE_PAGE + "); on an older GPU (A100: 8.0) use "
+    "int8_per_token_head (--scheme vllm-int8)"
+)
+FNUZ_NOTE = (
+    "kvbits' FP8 scales are for OCP E4M3 (absmax / 448), the format kvbits measured; kvbits can not know the target "
+    "GPU: on ROCm MI300 vLLM's fp8 is E4M3FNUZ (max 240), and vLLM's kv_cache.py (read, not run) doubles checkpoint "
+    "k/v scales there (is_fp8_fnuz), which keeps the codes kvbits measured; check that your vLLM version does so "
+    "before serving these scales on ROCm"
+)
+"""Said wherever kvbits prints or writes vLLM's static ``fp8`` cache: the exported scales assume OCP E4M3."""
 # bytes per (KV head, token) of K and V together in vLLM's per-token-head caches: codes plus one inline float32 scale
 # per side (its Triton backend's customize_spec), against 4D for a 16-bit layer
 _PER_TOKEN_HEAD = {"int8_per_token_head": "2D + 8", "fp8_per_token_head": "2D + 8", "int4_per_token_head": "D + 8"}
@@ -69,7 +94,8 @@ _SKIP_PAGES_NOTE = (
 @dataclass(frozen=True)
 class VllmCacheArgs:
     """vLLM's settings for a kvbits scheme: ``kv_cache_dtype``, the layers it leaves unquantized and, where only one
-    backend stores what kvbits measured, ``attention_backend`` (``FLASH_ATTN`` for per-head FP8 scales)."""
+    backend stores what kvbits measured, ``attention_backend`` (``FLASH_ATTN`` for per-head FP8 scales,
+    ``TRITON_ATTN`` for the ``*_per_token_head`` dtypes, the backend vLLM's docs name for them)."""
 
     scheme: str
     kv_cache_dtype: str
@@ -187,8 +213,10 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
         if match_preset(sub, _UNQUANTIZED):
             skip.append(idx)
         elif not _same_storage(sub, base):  # (an unquantized base's quantized layers: _quantized_layers)
+            lacks = _what_vllm_lacks(sub)
+            why = f" ({'; '.join(lacks)}; vLLM can not)" if lacks else ""
             raise ValueError(
-                f"{s.name!r} stores layer {idx} as {sub.name!r}: vLLM can only leave a layer unquantized "
+                f"{s.name!r} stores layer {idx} as {sub.name!r}{why}: vLLM can only leave a layer unquantized "
                 f"(--kv-cache-dtype-skip-layers) beside one {dtype} format; give that layer fp16 or bf16 "
                 f"(e.g. kvbits tune --candidates {name} --candidates fp16)"
             )
@@ -296,5 +324,13 @@ def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCach
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")
     if skip and dtype in _PER_TOKEN_HEAD:
         notes.append(_SKIP_PAGES_NOTE.format(page=_PER_TOKEN_HEAD[dtype]))
+    if dtype in _PER_TOKEN_HEAD:
+        notes.append(PER_TOKEN_HEAD_BACKEND_NOTE)
+    if dtype == "fp8_per_token_head":
+        notes.append(FP8_PER_TOKEN_HEAD_CC_NOTE)
+    if dtype == "fp8":
+        notes.append(FNUZ_NOTE)
     backend = "FLASH_ATTN" if name == "fp8-e4m3-head" else None  # as export_vllm's serve line for its scales
+    if dtype in _PER_TOKEN_HEAD:
+        backend = "TRITON_ATTN"  # the one backend vLLM's docs name for the *_per_token_head dtypes
     return VllmCacheArgs(scheme, dtype, tuple(sorted(skip)), tuple(notes), backend)
