@@ -467,10 +467,10 @@ def evaluate(
                     _warn_unquantized(model, scheme, T)
             _warn_length_dependent_rope(model, T, mode)
         # a calibration fitted on the text scored flatters its scheme: recorded per scheme, said once before the run
-        on_eval_text = calibrated_on_eval_text(calibrations, text, tokenizer, W, T)
-        if ranks.main:
+        on_eval_text = calibrated_on_eval_text(calibrations, text, tokenizer, W, T, bos=bos_id is not None)
+        if ranks.main:  # with a BOS the text scored is W * (T - 1) tokens (the BOS is no text token)
             for name, rec in on_eval_text.items():
-                warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T)
+                warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T, total=W * (T - (bos_id is not None)))
     if out is not None:
         # every rank's inputs are loaded and checked: now the old run may go (rank 0 alone writes)
         with ranks.agree("preparing the output folder"):
