@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0, rev = time.time(), commit()
     lm = load_model(args.model)
+    # raw slices without a BOS (kvbits eval --bos never); the models measured here (SmolLM2, Qwen2.5) add none
     ids = make_windows(tokenize(load_text(args.data), lm.tokenizer), args.context + args.steps, 1)
     out = []
     for name in args.scheme or SCHEMES:

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     lm = load_model(args.model)
+    # raw slices without a BOS (kvbits eval --bos never); the models measured here (SmolLM2, Qwen2.5) add none
     ids = make_windows(tokenize(load_text(args.data), lm.tokenizer), args.context, 1)
     cache = DynamicCache(config=lm.model.config)
     lm.model(ids, **cache_kwargs(cache, lm.model), use_cache=True)

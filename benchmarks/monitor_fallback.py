@@ -61,6 +61,7 @@ def main() -> None:
     t_start = time.perf_counter()
     loaded = load_model(args.model)
     model = loaded.model
+    # raw slices without a BOS (kvbits eval --bos never); the models measured here (SmolLM2, Qwen2.5) add none
     ids = make_windows(tokenize(load_text(args.text), loaded.tokenizer), args.context, 1)[:1]
     with torch.no_grad():
         h_ref = base_model(model)(input_ids=ids, use_cache=False).last_hidden_state[0]

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     lm = load_model(a.model)
     ids = tokenize(load_text(a.calib_data), lm.tokenizer)
+    # raw slices without a BOS (kvbits eval --bos never); the models measured here (SmolLM2, Qwen2.5) add none
     wins = make_windows(ids, a.calib_context, a.calib_windows)
     _CALIBRATING[0] = True
     with torch.no_grad(), sim_mod.simulate(lm.model, "fp16"):

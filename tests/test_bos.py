@@ -89,3 +89,30 @@ def test_evaluate_starts_windows_with_the_bos_records_it_and_hashes_another_run(
     # a tokenizer that adds no BOS: auto is raw slices, the hash of a run from before --bos
     plain = LoadedModel(tiny_llama(), bos_tokenizer(False), ModelSource(name="tb", path="tb"), "tinyplain0000000")
     assert evaluate(plain, text, 16, ["int4-token"], windows=1)["bos"] == "never"
+
+
+def test_an_out_folder_from_before_bos_is_recomputed_when_the_tokenizer_adds_one(tmp_path):
+    """A run stored before --bos (no "bos" in summary.json: raw slices) has the hash an "auto" run has; it was reused
+    though the tokenizer adds a BOS (stale numbers, no BOS); now it is recomputed there, and still reused where auto
+    resolves to raw slices."""
+    from kvbits.evaluate import evaluate
+    from kvbits.evaluate.models import LoadedModel, ModelSource
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    model = tiny_llama()
+    for adds in (True, False):
+        out = tmp_path / f"adds{adds}"
+        # the old run: raw slices under the same model fingerprint (so the same request hash), then its summary
+        # written as before --bos, without the "bos" field
+        old = LoadedModel(model, bos_tokenizer(False), ModelSource(name="tb", path="tb"), "tinybos000000000")
+        first = evaluate(old, text, 16, ["int4-token"], windows=2, out_dir=out)
+        path = out / "summary.json"
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "bos"}))
+        lm = LoadedModel(model, bos_tokenizer(adds), ModelSource(name="tb", path="tb"), "tinybos000000000")
+        skipped: list[dict] = []
+        again = evaluate(lm, text, 16, ["int4-token"], windows=2, out_dir=out, on_skip=skipped.append)
+        assert bool(skipped) is (not adds)
+        assert again.get("bos", "never") == ("always" if adds else "never")
+        if adds:
+            assert again["results"][0]["ppl_ref"] != first["results"][0]["ppl_ref"]
+            assert json.loads(path.read_text())["bos"] == "always"  # the folder now holds the run with the BOS

@@ -380,3 +380,17 @@ def test_a_text_file_and_its_token_ids_calibrated_as_rows_are_the_same_text():
     assert not _needs_ids_hash({"s": art}, "text")
     rec = eval_text_record(art, "text", "tok", tokens_2d=False, windows=4, context=32, ids_sha256="ids")
     assert rec == {"calibrated_on_eval_text": False, "calibration_overlap_tokens": 0}
+
+
+def test_windows_with_a_bos_count_the_overlap_in_the_text_they_score(model, calibrated, caplog):
+    """With a BOS each window is the BOS and 31 text tokens: 8 windows score ids [0, 248), not [0, 256), so the
+    calibration windows [0, 32) and [224, 256) share 32 + 24 tokens with them (was 64 of 256)."""
+    from kvbits.evaluate.models import LoadedModel, ModelSource
+
+    ids, art = calibrated
+    lm = LoadedModel(model, SimpleNamespace(bos_token_id=0), ModelSource(name="t", path="t"), "t000000000000000")
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(lm, ids, 32, ["kvquant-2"], windows=8, calibration=art, attn_layers=[], bos="always")
+    assert s["bos"] == "always"
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 56
+    assert "56 of the 248 evaluated tokens" in _warnings(caplog)[0]

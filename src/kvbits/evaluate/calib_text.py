@@ -230,18 +230,20 @@ def _records(
 
 
 def calibrated_on_eval_text(
-    calibrations: dict[str, Any], data: Any, tokenizer: Any, windows: int, context: int
+    calibrations: dict[str, Any], data: Any, tokenizer: Any, windows: int, context: int, *, bos: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Scheme name -> ``eval_text_record`` of its calibration, for an evaluation of ``windows`` windows of
     ``context`` tokens of ``data`` (a ``TextSource`` tokenized by ``tokenizer``, or token ids ``(N,)`` /
-    ``(W, T)``)."""
+    ``(W, T)``). ``bos``: each window was a BOS and ``context - 1`` text tokens (``make_windows(..., bos_id)``), so
+    the text scored is ``[0, windows * (context - 1))``, not ``[0, windows * context)``."""
 
     def text_ids() -> torch.Tensor:
         from kvbits.evaluate.data import tokenize
 
         return tokenize(data, tokenizer)  # the token cache's ids: no second tokenization
 
-    return _records(calibrations, data, tokenizer, text_ids, windows, context)
+    spans = [(0, windows * (context - 1))] if bos and not (isinstance(data, torch.Tensor) and data.dim() == 2) else None
+    return _records(calibrations, data, tokenizer, text_ids, windows, context, spans=spans)
 
 
 def needle_text_record(

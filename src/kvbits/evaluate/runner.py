@@ -209,6 +209,22 @@ def _check_head(model: Any, base: Any, head: LogitHead, ids: torch.Tensor) -> No
 
 @runs_on_device
 @kept_cuda_device()  # a rank's Ranks.device makes its device current; the caller's is current again after
+def _reused(
+    stored: dict[str, Any], calibrations: dict[str, Any], data: Any, data_path: str | None,
+    on_skip: Callable[[dict[str, Any]], None] | None, main: bool,
+) -> dict[str, Any]:
+    """``stored``, a finished run ``--out`` holds, reused rather than rerun: said as a run would say it (rank 0:
+    ``calib_text.warn_stored``, and each result's clipping / beyond-calibration), then ``on_skip(stored)``. ``main``: whether this is rank 0."""
+    if main:
+        warn_stored(stored, calibrations, data, data_path)
+        for res in stored.get("results") or []:
+            if isinstance(res, dict) and isinstance(res.get("calibration"), dict):
+                _warn_mismatch(str(res.get("scheme")), res["calibration"], int(stored.get("context") or 0))
+    if on_skip:
+        on_skip(stored)
+    return stored
+
+
 def evaluate(
     model: Any,
     data: Any,
@@ -386,18 +402,16 @@ def evaluate(
     # a rank's device and data folder may be its own (cuda:1, another mount); the rest is one run's
     ranks.check_same("run", {k: v for k, v in request.items() if k not in ("device", "data_path")})
     out = Path(out_dir) if out_dir is not None else None
+    legacy = None  # a run stored before --bos that "auto" may reuse (decided once the tokenizer is known)
     if out is not None:
         # rank 0 alone reads the folder; every rank follows its decision (reuse, refuse or run)
         stored = ranks.from_main(_check_out_dir, out, chash, overwrite, request)
-        if stored is not None:
-            if ranks.main:  # reused, not rerun: said as a run would say it (kvbits.evaluate.calib_text)
-                warn_stored(stored, calibrations, data, data_path)
-                for res in stored.get("results") or []:  # and its clipping / beyond-calibration, as a run logs them
-                    if isinstance(res, dict) and isinstance(res.get("calibration"), dict):
-                        _warn_mismatch(str(res.get("scheme")), res["calibration"], int(stored.get("context") or 0))
-            if on_skip:
-                on_skip(stored)
-            return stored
+        # a run stored before --bos records no "bos" and had raw slices; "auto" keeps its hash, but a tokenizer that
+        # adds a BOS resolves to one: known once the tokenizer loads, so that decision is made below
+        legacy = stored if stored is not None and bos == "auto" and "bos" not in stored and not isinstance(
+            data, torch.Tensor) else None
+        if stored is not None and legacy is None:
+            return _reused(stored, calibrations, data, data_path, on_skip, ranks.main)
 
     with ranks.agree("loading the model and the text"):
         # the text before the model: a wrong data spec fails in a moment, not after the weights load
@@ -407,6 +421,12 @@ def evaluate(
             model, torch_dtype, load_device, calibrations, lambda config: check_schemes_fit(resolved, config)
         )  # a scheme the config rules out (groups not dividing head_dim) is refused before the weights load
         win, data_name, tokens_fp, bos_id = _load_windows(text, tokenizer, context, windows, data_path, model, bos)
+        if legacy is not None:
+            if bos_id is None:  # raw slices, as the stored run had: reused (at the cost of the model load)
+                return _reused(legacy, calibrations, data, data_path, on_skip, ranks.main)
+            if ranks.main:
+                logger.warning("%s holds this run made before --bos, without a BOS; the tokenizer adds one (bos "
+                               "'auto' resolves to 'always'): recomputing it", out)
         from kvbits.cache import attention_shape
 
         n_layers, _, kv_heads, head_dim = attention_shape(model.config)
@@ -467,10 +487,10 @@ def evaluate(
                     _warn_unquantized(model, scheme, T)
             _warn_length_dependent_rope(model, T, mode)
         # a calibration fitted on the text scored flatters its scheme: recorded per scheme, said once before the run
-        on_eval_text = calibrated_on_eval_text(calibrations, text, tokenizer, W, T)
-        if ranks.main:
+        on_eval_text = calibrated_on_eval_text(calibrations, text, tokenizer, W, T, bos=bos_id is not None)
+        if ranks.main:  # with a BOS the text scored is W * (T - 1) tokens (the BOS is no text token)
             for name, rec in on_eval_text.items():
-                warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T)
+                warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T, total=W * (T - (bos_id is not None)))
     if out is not None:
         # every rank's inputs are loaded and checked: now the old run may go (rank 0 alone writes)
         with ranks.agree("preparing the output folder"):
