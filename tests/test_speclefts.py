@@ -84,3 +84,29 @@ def test_speed_and_needle_refuse_a_scheme_the_config_rules_out_before_the_weight
             speed_eval(str(folder), [64], ["int8-token", "kivi-2"], tokens=4, data=str(text))
         else:
             needle_eval(str(folder), [256], ["int8-token", "kivi-2"], data=str(text))
+
+
+@pytest.mark.parametrize(
+    "flags, role, peer",
+    [
+        (["--candidates", "hf-quanto-int4"], "candidate", "hf-quanto-int4"),
+        (["--candidates", "int2-token", "--compare", "hf-quanto-int2"], "compare", "hf-quanto-int2"),
+    ],
+)
+def test_tune_says_a_comparison_peer_is_not_a_scheme_it_can_mix(capsys, monkeypatch, flags, role, peer):
+    """``kvbits tune --candidates hf-quanto-int4`` said "unknown scheme 'hf-quanto-int4'" (and listed the presets),
+    though eval knows it as a comparison peer: it now says what the name is, why tune can not use it and what to
+    pass instead, before the model loads."""
+    from kvbits.cli import main
+    from kvbits.tune import search
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(search, "_load", no_model)
+    argv = ["tune", "--model", "smollm2-135m", "--data", "wikitext-2", "--context", "64", "--budget-bits", "6",
+            "--candidates", "int8-token", *flags]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{role} {peer!r} is a comparison peer (transformers QuantizedCache" in err, err
+    assert "unknown scheme" not in err and "pass a kvbits preset instead" in err and "--mode stream" in err, err
