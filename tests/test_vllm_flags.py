@@ -311,3 +311,24 @@ def test_an_unquantized_base_with_a_layer_vllm_has_no_format_for_says_so(scheme)
     with pytest.raises(ValueError, match=r"vLLM has no KV-cache format storing '(kivi-2|kvquant-4)' \(") as exc:
         vllm_cache_args(scheme, 4)
     assert "one quantized format per engine" not in str(exc.value)
+
+
+def test_a_tune_record_gives_the_layer_count(tmp_path, capsys):
+    """``kvbits export --scheme tuned.json`` of an fp16 mix with vllm-int4 on some layers still asked for
+    ``--layers N`` though ``tuned.json.tune.json`` (written beside it by ``kvbits tune``) holds it as meta.layers: it is
+    now read, and a ``--layers`` that disagrees with it is refused."""
+    from kvbits.schemes import get_scheme
+
+    mix = tmp_path / "tuned.json"
+    mix.write_text(get_scheme("fp16,1=vllm-int4,3=vllm-int4").to_json() + "\n")
+    record = tmp_path / "tuned.json.tune.json"
+    record.write_text(json.dumps({"scheme": "tuned", "meta": {"layers": 5}}))
+    assert main(["export", "--scheme", str(mix), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skip_layers"] == [0, 2, 4]
+    assert main(["export", "--scheme", str(mix), "--layers", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skip_layers"] == [0, 2, 4]
+    assert main(["export", "--scheme", str(mix), "--layers", "6"]) == 2
+    assert "--layers 6 disagrees with" in capsys.readouterr().err
+    record.write_text(json.dumps({"meta": {}}))
+    assert main(["export", "--scheme", str(mix)]) == 2
+    assert "expected a kvbits tune record with meta.layers" in capsys.readouterr().err
