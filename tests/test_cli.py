@@ -234,6 +234,21 @@ def test_plan_budget_flags_without_gpu_mem_are_usage_errors(capsys, extra, named
     assert (rows[0]["weights_bytes"], rows[0]["reserve_bytes"]) == (2**30, 2 * 2**30)
 
 
+def test_plan_refuses_an_unknown_scheme_before_reading_the_config(capsys, monkeypatch):
+    """An unknown ``--scheme`` name was refused only after the config was read (about 10 s for smollm2-135m's GGUF):
+    each name is now checked first, so the config loader is never reached."""
+    import kvbits.plan
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the config was read before the scheme names were checked")
+
+    monkeypatch.setattr(kvbits.plan, "load_shape", must_not_load)
+    argv = ["plan", "--config", "smollm2-135m", "--context", "1k", "--scheme", "fp16", "--scheme", "int5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbits plan: error: unknown scheme 'int5'"), err
+
+
 def test_plan_from_config_file_with_override(tmp_path, capsys):
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 512}
     path = tmp_path / "config.json"

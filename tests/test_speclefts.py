@@ -58,3 +58,55 @@ def test_a_scheme_the_config_rules_out_is_refused_before_the_weights_load(tmp_pa
     ids = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="scheme 'kivi-2' can not store head_dim 16: values"):
         evaluate(str(folder), ids, 64, ["int8-token", "kivi-2"], attn_layers=[])
+
+
+@pytest.mark.parametrize("command", ["speed", "needle"])
+def test_speed_and_needle_refuse_a_scheme_the_config_rules_out_before_the_weights_load(tmp_path, monkeypatch, command):
+    """``kvbits speed`` and ``kvbits needle`` loaded the weights before refusing kivi-2 (values grouped in 32
+    channels) on a head_dim of 16, which eval already refused from the config alone: they now pass it the same
+    check, so the weights never load."""
+    import transformers
+
+    from kvbits.evaluate import needle_eval
+    from kvbits.evaluate.speed import speed_eval
+
+    folder = tmp_path / "model"
+    _tiny_llama().save_pretrained(folder)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    with pytest.raises(ValueError, match="scheme 'kivi-2' can not store head_dim 16: values"):
+        if command == "speed":
+            speed_eval(str(folder), [64], ["int8-token", "kivi-2"], tokens=4, data=str(text))
+        else:
+            needle_eval(str(folder), [256], ["int8-token", "kivi-2"], data=str(text))
+
+
+@pytest.mark.parametrize(
+    "flags, role, peer",
+    [
+        (["--candidates", "hf-quanto-int4"], "candidate", "hf-quanto-int4"),
+        (["--candidates", "int2-token", "--compare", "hf-quanto-int2"], "compare", "hf-quanto-int2"),
+    ],
+)
+def test_tune_says_a_comparison_peer_is_not_a_scheme_it_can_mix(capsys, monkeypatch, flags, role, peer):
+    """``kvbits tune --candidates hf-quanto-int4`` said "unknown scheme 'hf-quanto-int4'" (and listed the presets),
+    though eval knows it as a comparison peer: it now says what the name is, why tune can not use it and what to
+    pass instead, before the model loads."""
+    from kvbits.cli import main
+    from kvbits.tune import search
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(search, "_load", no_model)
+    argv = ["tune", "--model", "smollm2-135m", "--data", "wikitext-2", "--context", "64", "--budget-bits", "6",
+            "--candidates", "int8-token", *flags]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{role} {peer!r} is a comparison peer (transformers QuantizedCache" in err, err
+    assert "unknown scheme" not in err and "pass a kvbits preset instead" in err and "--mode stream" in err, err

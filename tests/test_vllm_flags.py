@@ -352,3 +352,24 @@ def test_static_fp8_notes_say_the_scales_assume_ocp_e4m3():
     for scheme in ("fp8-e4m3", "fp8-e4m3-head,0=fp16"):
         assert sum("E4M3FNUZ" in n and "absmax / 448" in n for n in vllm_cache_args(scheme).notes) == 1
     assert not any("FNUZ" in n for n in vllm_cache_args("vllm-fp8-token").notes)  # vLLM's own dynamic scales
+
+
+def test_a_tune_record_gives_the_layer_count(tmp_path, capsys):
+    """``kvbits export --scheme tuned.json`` of an fp16 mix with vllm-int4 on some layers still asked for
+    ``--layers N`` though ``tuned.json.tune.json`` (written beside it by ``kvbits tune``) holds it as meta.layers: it is
+    now read, and a ``--layers`` that disagrees with it is refused."""
+    from kvbits.schemes import get_scheme
+
+    mix = tmp_path / "tuned.json"
+    mix.write_text(get_scheme("fp16,1=vllm-int4,3=vllm-int4").to_json() + "\n")
+    record = tmp_path / "tuned.json.tune.json"
+    record.write_text(json.dumps({"scheme": "tuned", "meta": {"layers": 5}}))
+    assert main(["export", "--scheme", str(mix), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skip_layers"] == [0, 2, 4]
+    assert main(["export", "--scheme", str(mix), "--layers", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skip_layers"] == [0, 2, 4]
+    assert main(["export", "--scheme", str(mix), "--layers", "6"]) == 2
+    assert "--layers 6 disagrees with" in capsys.readouterr().err
+    record.write_text(json.dumps({"meta": {}}))
+    assert main(["export", "--scheme", str(mix)]) == 2
+    assert "expected a kvbits tune record with meta.layers" in capsys.readouterr().err

@@ -344,6 +344,11 @@ def _plan_run(args: argparse.Namespace) -> int:
     if given and args.gpu_mem is None:  # they only enter the GPU budget: the plan would ignore them without a word
         verb = "applies" if len(given) == 1 else "apply"
         raise ValueError(f"{' and '.join(given)} {verb} to the GPU budget alone: add --gpu-mem GIB")
+    if args.scheme:  # an unknown name or a bad scheme file is refused before the config is read (~10 s for a GGUF)
+        from kvbits.schemes import get_scheme
+
+        for spec in args.scheme:
+            get_scheme(spec)
     shape = _plan_shape(args)
     if not args.context and shape.max_context is None:  # plan() would speak of "the config", which there may be none of
         source = "a config without max_position_embeddings" if args.config is not None else "dimensions"

@@ -381,7 +381,9 @@ def needle_eval(
 
     text = _haystack(data, data_path)  # a wrong text fails before the model loads
     model_spec = model
-    model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, device, calibrations)
+    model, tokenizer, model_name, model_fp = _load_checked_model(
+        model, torch_dtype, device, calibrations, lambda config: check_schemes_fit(resolved, config)
+    )  # a scheme the config rules out (groups not dividing head_dim) is refused before the weights load
     if tokenizer is None:
         raise ValueError(
             "the retrieval task writes text, so it needs the model's tokenizer: pass a model name, path or "

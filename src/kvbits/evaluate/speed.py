@@ -593,7 +593,9 @@ def speed_eval(
     data_spec = os.fspath(data) if isinstance(data, os.PathLike) else data
     prompts = _prompt_source(data_spec, data_path)  # a wrong text fails here, before the model loads
     model_spec = model
-    model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, device, calibrations)
+    model, tokenizer, model_name, model_fp = _load_checked_model(
+        model, torch_dtype, device, calibrations, lambda config: check_schemes_fit(resolved, config)
+    )  # a scheme the config rules out (groups not dividing head_dim) is refused before the weights load
     head = _head(model)
     check_context_fits(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import bounded
-from kvbits._json import dumps
+from kvbits._json import dumps, loads
 
 __all__ = ["add_parser", "run"]
 
@@ -81,7 +82,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--layers", metavar="N", type=bounded(int, 1),
         help="the model's layer count (with --scheme): needed by a mix whose base is fp16/bf16 and whose other "
-        "layers store one vLLM format, to list the layers vLLM skips",
+        "layers store one vLLM format, to list the layers vLLM skips (default: meta.layers of the kvbits tune record "
+        "<scheme>.tune.json beside a scheme JSON, which a different --layers contradicts)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the export record as JSON")
     return p
@@ -143,7 +145,17 @@ def _run_scheme(args: argparse.Namespace) -> int:
                             ("--module-template", args.module_template)) if v is not None]  # fmt: skip
     if extra:
         raise ValueError(f"{', '.join(extra)} go with --calibration, not --scheme")
-    serve = vllm_cache_args(args.scheme, args.layers)
+    layers = args.layers
+    recorded = _tune_record_layers(args.scheme)
+    if recorded is not None:
+        count, record = recorded
+        if layers is not None and layers != count:
+            raise ValueError(
+                f"--layers {layers} disagrees with {record}: meta.layers {count}, the layer count of the model tune "
+                "measured this mix on; drop --layers (the record gives it), or export the mix tuned for that model"
+            )
+        layers = count
+    serve = vllm_cache_args(args.scheme, layers)
     if args.json:
         sys.stdout.write(dumps(serve.to_dict(), indent=2) + "\n")
         return 0
@@ -152,6 +164,26 @@ def _run_scheme(args: argparse.Namespace) -> int:
     for note in serve.notes:
         print(f"note: {note}")
     return 0
+
+
+def _tune_record_layers(scheme: str) -> tuple[int, Path] | None:
+    """``(meta.layers, record path)`` of the ``kvbits tune`` record beside a scheme JSON (``<scheme>.tune.json``,
+    which tune writes with it), None where there is none; ``ValueError`` for a record without a layer count."""
+    record = Path(scheme + ".tune.json")
+    if not scheme.lower().endswith(".json") or not record.is_file():
+        return None
+    try:
+        data = loads(record.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{record}: expected the kvbits tune record of {scheme}, could not read it ({exc})") from None
+    meta = data.get("meta") if isinstance(data, dict) else None
+    count = meta.get("layers") if isinstance(meta, dict) else None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(
+            f"{record}: expected a kvbits tune record with meta.layers (the model's layer count, a positive int), "
+            f"got {count!r}"
+        )
+    return count, record
 
 
 def _flat(x: float | list[float]) -> list[float]:

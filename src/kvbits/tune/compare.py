@@ -7,7 +7,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from kvbits._spelling import spell
-from kvbits.schemes import KVScheme, check_unique_names, get_scheme
+from kvbits.schemes import KVScheme, check_unique_names
+from kvbits.tune.inputs import tune_scheme
 
 if TYPE_CHECKING:
     from kvbits.tune.search import TuneResult
@@ -47,7 +48,7 @@ def _compared(compare: Any, cands: list[KVScheme], name: str) -> list[KVScheme]:
         return []
     if isinstance(compare, (str, KVScheme)):
         compare = [compare]
-    others = [get_scheme(c) for c in compare]
+    others = [tune_scheme(c, "compare") for c in compare]
     names = [c.name for c in cands]
     for s in others:
         if s.is_mixed:

@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbits._argtypes import runs_on_device
-from kvbits.schemes import KVScheme, check_unique_names, get_scheme
+from kvbits.schemes import KVScheme, check_unique_names
 from kvbits.tune.compare import _compared, _warn_better, _warn_beyond, better_compared
-from kvbits.tune.inputs import _candidate_calibrations, _check_name, _model_shape, _prices
+from kvbits.tune.inputs import _candidate_calibrations, _check_name, _model_shape, _prices, tune_scheme
 from kvbits.tune.knapsack import (
     BIT_DENOMINATOR,
     _check_budget,
@@ -212,7 +212,7 @@ def tune(
     import time
 
     t0 = time.perf_counter()
-    cands = [get_scheme(c) for c in candidates]
+    cands = [tune_scheme(c, "candidate") for c in candidates]
     check_unique_names([c.name for c in cands], "measured")
     if len(cands) < 2:
         raise ValueError(f"give at least two candidate schemes to choose between, got {len(cands)}")
