@@ -24,7 +24,7 @@ from kvbits.cache import QuantizedKVCache
 from kvbits.cache import fused as fused_mod
 from kvbits.cache.compat import cache_kwargs
 from kvbits.kernels import dispatch
-from kvbits.kernels.reference import decode_attention_reference, pack_store
+from kvbits.kernels.reference import decode_attention_reference, pack_store, used_slots, word_rows
 from kvbits.plan import plan
 from kvbits.quant import quantize
 from kvbits.schemes import KVScheme, TensorSpec, token_split
@@ -299,6 +299,24 @@ def test_reference_reads_only_the_used_slots(name: str):
     out = decode_attention_reference(q, reserved)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, decode_attention_reference(q, cut), atol=0, rtol=0)
+
+
+def test_reference_keeps_the_slot_mask_of_the_used_slots():
+    """A reserved store (``quant_used`` below ``T_q``, ``max_cache_len``) of a left-padded batch: ``used_slots`` cuts
+    the mask with the codes, so row 1's 20 pad slots stay unattended, the output that of the same store walked
+    whole. Dropping the cut mask (mutant ``ref_used_slots_mask``: ``qm = None``) attended the pads: 0.86 off."""
+    reserved, _, q = _store_with_garbage(SPECS["int8-token"], used=40, slots=96)
+    mask = torch.ones(2, 96, dtype=torch.bool)
+    mask[1, :20] = False  # sequence 1 left-padded
+    reserved = replace(reserved, quant_mask=word_rows(mask))
+    cut = used_slots(reserved)
+    assert cut.quant_mask is not None and cut.quant_mask.shape == (2, 40) and not cut.quant_mask[1, :20].any()
+    out = decode_attention_reference(q, reserved)
+    assert torch.isfinite(out).all()
+    whole = replace(reserved, key=cut.key, value=cut.value, quant_mask=word_rows(mask[:, :40]), quant_used=None)
+    torch.testing.assert_close(out, decode_attention_reference(q, whole), atol=0, rtol=0)
+    unmasked = decode_attention_reference(q, replace(whole, quant_mask=None))
+    assert (out - unmasked).abs().max() > 0.1  # the pads matter: a mask dropped would show
 
 
 def test_quant_used_beyond_the_slots_is_refused():
