@@ -116,3 +116,39 @@ def test_an_out_folder_from_before_bos_is_recomputed_when_the_tokenizer_adds_one
         if adds:
             assert again["results"][0]["ppl_ref"] != first["results"][0]["ppl_ref"]
             assert json.loads(path.read_text())["bos"] == "always"  # the folder now holds the run with the BOS
+
+
+def _bos_model(adds: bool = True):
+    from kvbits.evaluate.models import LoadedModel, ModelSource
+
+    return LoadedModel(tiny_llama(), bos_tokenizer(adds), ModelSource(name="tb", path="tb"), "tinybos000000000")
+
+
+def test_monitor_decodes_the_bos_first_and_runs_at_all(tmp_path, monkeypatch):
+    """``watch`` unpacked three values of ``_load_windows``'s four (``ValueError: too many values to unpack`` on every
+    call, token ids included); now it runs, and with ``bos`` (default auto) the decoded tokens start with the BOS."""
+    from kvbits.evaluate import stream
+    from kvbits.monitor import watch
+
+    seen: list[torch.Tensor] = []
+    real = stream.stream_hidden
+    monkeypatch.setattr(stream, "stream_hidden", lambda lm, ids, *a, **k: (seen.append(ids), real(lm, ids, *a, **k)))
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    watch(_bos_model(), text, 24, "int4-token")
+    watch(_bos_model(), text, 24, "int4-token", bos="never")
+    assert seen[0][0, 0].item() == 0 and seen[1][0, 0].item() != 0
+    assert seen[0][0, 1:].tolist() == seen[1][0, :23].tolist()
+    with pytest.raises(ValueError, match="bos must be one of"):
+        watch(_bos_model(), text, 24, "int4-token", bos="yes")
+
+
+def test_speed_prompts_start_with_the_bos_and_speed_json_records_it(tmp_path):
+    from kvbits.evaluate.speed import speed_eval
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    auto = speed_eval(_bos_model(), 32, ["int4-token"], tokens=2, warmup=1, data=text)
+    never = speed_eval(_bos_model(), 32, ["int4-token"], tokens=2, warmup=1, data=text, bos="never")
+    plain = speed_eval(_bos_model(False), 32, ["int4-token"], tokens=2, warmup=1, data=text)
+    assert (auto["bos"], never["bos"], plain["bos"]) == ("always", "never", "never")
+    assert auto["fingerprint"]["prompts"]["32x1"].endswith("+bos0")
+    assert not never["fingerprint"]["prompts"]["32x1"].endswith("+bos0")
