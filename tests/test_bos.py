@@ -116,3 +116,84 @@ def test_an_out_folder_from_before_bos_is_recomputed_when_the_tokenizer_adds_one
         if adds:
             assert again["results"][0]["ppl_ref"] != first["results"][0]["ppl_ref"]
             assert json.loads(path.read_text())["bos"] == "always"  # the folder now holds the run with the BOS
+
+
+def _bos_model(adds: bool = True):
+    from kvbits.evaluate.models import LoadedModel, ModelSource
+
+    return LoadedModel(tiny_llama(), bos_tokenizer(adds), ModelSource(name="tb", path="tb"), "tinybos000000000")
+
+
+def test_monitor_decodes_the_bos_first_and_runs_at_all(tmp_path, monkeypatch):
+    """``watch`` unpacked three values of ``_load_windows``'s four (``ValueError: too many values to unpack`` on every
+    call, token ids included); now it runs, and with ``bos`` (default auto) the decoded tokens start with the BOS."""
+    from kvbits.evaluate import stream
+    from kvbits.monitor import watch
+
+    seen: list[torch.Tensor] = []
+    real = stream.stream_hidden
+    monkeypatch.setattr(stream, "stream_hidden", lambda lm, ids, *a, **k: (seen.append(ids), real(lm, ids, *a, **k)))
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    watch(_bos_model(), text, 24, "int4-token")
+    watch(_bos_model(), text, 24, "int4-token", bos="never")
+    assert seen[0][0, 0].item() == 0 and seen[1][0, 0].item() != 0
+    assert seen[0][0, 1:].tolist() == seen[1][0, :23].tolist()
+    with pytest.raises(ValueError, match="bos must be one of"):
+        watch(_bos_model(), text, 24, "int4-token", bos="yes")
+
+
+def test_speed_prompts_start_with_the_bos_and_speed_json_records_it(tmp_path):
+    from kvbits.evaluate.speed import speed_eval
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    auto = speed_eval(_bos_model(), 32, ["int4-token"], tokens=2, warmup=1, data=text)
+    never = speed_eval(_bos_model(), 32, ["int4-token"], tokens=2, warmup=1, data=text, bos="never")
+    plain = speed_eval(_bos_model(False), 32, ["int4-token"], tokens=2, warmup=1, data=text)
+    assert (auto["bos"], never["bos"], plain["bos"]) == ("always", "never", "never")
+    assert auto["fingerprint"]["prompts"]["32x1"].endswith("+bos0")
+    assert not never["fingerprint"]["prompts"]["32x1"].endswith("+bos0")
+
+
+def test_calibrate_windows_start_with_the_bos_and_the_artifact_records_it(tmp_path, monkeypatch):
+    import importlib
+
+    from kvbits.calibrate import calibrate, collect_samples
+
+    cal_mod = importlib.import_module("kvbits.calibrate.calibrate")
+
+    text = str(write_sentences(tmp_path / "t.txt", 60))
+    seen: list[torch.Tensor] = []
+    real = cal_mod._windows
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(cal_mod, "_windows", spy)
+    auto = calibrate(_bos_model(), text, "kvquant-4", context=32, windows=2, fisher=False, max_tokens=64)
+    never = calibrate(_bos_model(), text, "kvquant-4", context=32, windows=2, fisher=False, max_tokens=64, bos="never")
+    assert auto.meta["data"]["bos"] == "always" and never.meta["data"]["bos"] == "never"
+    assert seen[0].shape == seen[1].shape == (2, 32)
+    assert seen[0][:, 0].tolist() == [0, 0] and seen[0][0, 1:].tolist() == seen[1][0, :31].tolist()
+    plain = collect_samples(_bos_model(False), text, context=32, windows=2, fisher=False, max_tokens=64)
+    assert plain.data["bos"] == "never"  # a tokenizer that adds none: raw slices
+    with pytest.raises(ValueError, match="bos must be one of"):
+        calibrate(_bos_model(), text, "kvquant-4", context=32, windows=2, fisher=False, bos="yes")
+
+
+def test_eval_warns_when_its_calibration_was_cut_with_another_bos(tmp_path, caplog):
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate import evaluate
+
+    text = str(write_sentences(tmp_path / "t.txt", 60))
+    other = str(write_sentences(tmp_path / "o.txt", 60, seed=1))
+    never = calibrate(_bos_model(), other, "kvquant-4", context=32, windows=2, fisher=False, max_tokens=64,
+                      bos="never")  # fmt: skip
+    with caplog.at_level("WARNING"):
+        evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=1, calibration={"kvquant-4": never})
+    assert "fitted on windows with bos never, this evaluation's windows have bos always" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=1, calibration={"kvquant-4": never}, bos="never")
+    assert "fitted on windows with bos" not in caplog.text

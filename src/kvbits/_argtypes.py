@@ -46,6 +46,7 @@ __all__ = [
     "FUSED_DECODE",
     "MODEL_DTYPES",
     "SEED_MAX",
+    "add_bos_arg",
     "add_calibration_arg",
     "add_dtype_device",
     "add_model_data_args",
@@ -162,6 +163,20 @@ def add_threads_arg(parser: argparse.ArgumentParser, note: str = "") -> None:
     """Add ``--threads`` (an integer >= 1; default None: torch's own count) to a command that runs a model; the command
     calls ``apply_threads(args.threads)`` before the model loads. ``note`` is appended to the help."""
     parser.add_argument("--threads", type=bounded(int, 1), help=THREADS_HELP + note)
+
+
+BOS_HELP = (
+    "start each window with the tokenizer's BOS token: auto (the default) where the tokenizer adds one to a text "
+    "itself (Llama, Mistral, Gemma; SmolLM2 and Qwen2.5 add none), always, never (raw slices of the text); with a "
+    "BOS a window is the BOS and context - 1 text tokens"
+)
+
+
+def add_bos_arg(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """Add ``--bos {auto,always,never}`` (default auto) to a command that cuts a text into windows or prompts; the
+    command passes ``args.bos`` to its entry point, which resolves it (``resolve_bos``). ``note`` is appended to the
+    help (what the command records, what the BOS means there)."""
+    parser.add_argument("--bos", choices=("auto", "always", "never"), default="auto", help=BOS_HELP + note)
 
 
 def apply_threads(threads: int | None) -> None:

@@ -221,14 +221,21 @@ def check_calibration_out(out_dir: str | os.PathLike[str], *, overwrite: bool = 
 
 
 def _windows(
-    data: Any, tokenizer: Any, context: int, windows: int, model: Any = None
+    data: Any, tokenizer: Any, context: int, windows: int, model: Any = None, bos: str = "never"
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``(W, context)`` token windows spread evenly over the data, and the ``data`` JSON record; token ids
-    must be integers within ``model``'s embedding table."""
+    must be integers within ``model``'s embedding table. ``bos`` (``"auto"``, ``"always"``, ``"never"``;
+    ``kvbits.evaluate.data.resolve_bos``): a text's windows start with the tokenizer's BOS, then ``context - 1``
+    text tokens from each start, as an evaluation's windows do; token ids are taken as they are (a BOS only with
+    ``"always"``, for ``(N,)`` ids). The record's ``"bos"`` says what ran (``"always"`` / ``"never"``)."""
     from kvbits.evaluate.calib_text import content_sha256  # the hashes an evaluation compares with its data's
+    from kvbits.evaluate.data import BOS_MODES, resolve_bos
 
     _check_windows(context, windows)
+    if bos not in BOS_MODES:
+        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
     record: dict[str, Any] = {}
+    bos_id: int | None = None
     if isinstance(data, torch.Tensor):
         from kvbits.evaluate.data import check_token_ids
 
@@ -236,6 +243,13 @@ def _windows(
             raise TypeError(f"token ids must be an integer tensor (N,) or (W, T), got shape {tuple(data.shape)}")
         check_token_ids(data, model)
         ids = data.long()
+        if bos == "always":
+            if ids.dim() == 2:
+                raise ValueError(
+                    f"bos='always' (CLI: --bos always) with token windows (W, T) = {tuple(ids.shape)}: rows are "
+                    "calibrated on as they are; give (N,) ids, or put the BOS in the rows yourself and use bos='never'"
+                )
+            bos_id = resolve_bos(tokenizer, "always")
         record.update(
             name="token-ids",
             documents=1 if ids.dim() == 1 else ids.shape[0],
@@ -259,7 +273,7 @@ def _windows(
             # rows: which rows were calibrated on, so an evaluation of the same ids can say what it shares with them;
             # row_width: their T, so it can in any shape of the same bytes (row r is tokens [r * T, (r + 1) * T))
             record.update(windows=out.shape[0], tokens=out.numel(), context=context, starts=None, rows=pick.tolist(),
-                          row_width=width)  # fmt: skip
+                          row_width=width, bos="never")  # fmt: skip
             return out, record
     else:
         from kvbits.evaluate.data import check_tokenized, load_text, tokenize
@@ -269,6 +283,7 @@ def _windows(
             raise ValueError(
                 "text data needs the model's tokenizer: pass a model spec or a LoadedModel, or token ids"
             )
+        bos_id = resolve_bos(tokenizer, bos)
         ids = tokenize(source, tokenizer)
         check_tokenized(ids, tokenizer, model, f"the text {source.name!r}")
         record.update(
@@ -280,7 +295,10 @@ def _windows(
             # the token ids' hash too: an evaluation given these ids (N,) instead of the file is the same text
             ids_sha256=content_sha256(ids),
         )
-    fit = ids.numel() // context
+    if bos_id is not None and context < 2:
+        raise ValueError(f"context must be >= 2 with a BOS (the BOS and at least one text token), got {context}")
+    step = context - (bos_id is not None)  # text tokens per window
+    fit = ids.numel() // step
     if fit == 0:
         raise ValueError(f"calibration data has {ids.numel()} tokens, fewer than one window of {context}")
     if windows > fit:
@@ -288,11 +306,14 @@ def _windows(
     # spread windows evenly over the text (more diverse than the first W windows, and apart from
     # the opening windows an evaluation usually reads)
     slots = torch.linspace(0, fit - 1, min(windows, fit)).round().long().unique()
-    starts = (slots * context).tolist()
-    out = torch.stack([ids[s : s + context] for s in starts])
+    starts = (slots * step).tolist()
+    out = torch.stack([ids[s : s + step] for s in starts])
+    if bos_id is not None:
+        out = torch.cat([out.new_full((out.shape[0], 1), int(bos_id)), out], dim=1)
     record.update(
-        windows=len(starts), tokens=out.numel(), context=context, starts=starts, total_tokens=int(ids.numel())
-    )
+        windows=len(starts), tokens=out.numel(), context=context, starts=starts, total_tokens=int(ids.numel()),
+        bos="never" if bos_id is None else "always",
+    )  # fmt: skip
     return out, record
 
 
@@ -420,6 +441,7 @@ def collect_samples(
     device: str | None = None,
     progress: Progress | None = None,
     scheme: KVScheme | None = None,
+    bos: str = "auto",
 ) -> CalibrationSamples:
     """Run ``model`` over ``windows`` windows of ``data`` and sample every layer's pre-RoPE K/V.
 
@@ -440,7 +462,7 @@ def collect_samples(
         from kvbits.plan.planner import check_pre_rope_config
 
         check_pre_rope_config(scheme, module.config)
-    ids, data_record = _windows(data, tokenizer, context, windows, module)
+    ids, data_record = _windows(data, tokenizer, context, windows, module, bos)
     check_context_fits(module.config, ids.shape[1])
     # an attention block several layers share (Zamba, Zamba2): K/V read at cache.update, else at k_proj / v_proj
     sites: list[Any] = shared_attention_sites(module) or find_kv_sites(module)
@@ -787,6 +809,7 @@ def calibrate(
     fp8_scale: str = "centred",
     tie_rope_pairs: bool = False,
     overwrite: bool = False,
+    bos: str = "auto",
 ) -> CalibrationArtifact:
     """Calibrate ``scheme`` for ``model`` on ``data``; write it to ``out_dir`` when given.
 
@@ -831,6 +854,9 @@ def calibrate(
             Qwen2.5-Coder-0.5B at 4K, 0.035 → 0.046 on SmolLM2-135M at 8K (BENCHMARKS.md §21). Default: one
             factor per channel, decoded in the kernel.
         overwrite: replace the calibration ``out_dir`` holds.
+        bos: ``"auto"`` (each window of a text starts with the tokenizer's BOS where ``tokenizer(text)`` adds one,
+            then ``context - 1`` text tokens, as ``evaluate``'s windows), ``"always"`` or ``"never"``; the
+            artifact's ``data["bos"]`` says what ran (an artifact without it: ``"never"``).
     """
     scheme = check_calibrate_args(
         scheme, context, windows, out_dir, dtype=dtype, device=device, max_tokens=max_tokens,
@@ -846,7 +872,7 @@ def calibrate(
         fisher = False
     samples = collect_samples(
         model, data, sinks=min(sub.sinks for sub in subs), context=context, windows=windows, fisher=fisher,
-        max_tokens=max_tokens, seed=seed, dtype=dtype, device=device, progress=progress, scheme=scheme,
+        max_tokens=max_tokens, seed=seed, dtype=dtype, device=device, progress=progress, scheme=scheme, bos=bos,
     )
     art = fit_artifact(
         samples, scheme, percentile=percentile, kmeans_points=kmeans_points,

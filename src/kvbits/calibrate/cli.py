@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from kvbits._argtypes import (
+    add_bos_arg,
     add_dtype_device,
     add_model_data_args,
     add_seed_arg,
@@ -97,6 +98,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the artifact's JSON record instead of a summary"
     )
     add_threads_arg(p)
+    add_bos_arg(p, note="; calibration.json's data \"bos\" says what ran, and kvbits eval warns when its windows differ")
     return p
 
 
@@ -226,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
             progress=report,
             tie_rope_pairs=args.tie_rope_pairs,
             overwrite=args.overwrite,
+            bos=args.bos,
             **given,
         )
     if args.json:

@@ -94,7 +94,8 @@ def _intervals(
     starts = record.get("starts")
     if rows is not None or not isinstance(starts, list):
         return None
-    return [(s, s + cal) for s in starts if isinstance(s, int)]
+    text = cal - (record.get("bos") == "always")  # a window with a BOS holds context - 1 text tokens
+    return [(s, s + text) for s in starts if isinstance(s, int)]
 
 
 def _count(intervals: list[tuple[int, int]], spans: list[tuple[int, int]]) -> int:
@@ -287,6 +288,24 @@ def warn_calibrated_on_eval_text(
         "or channel vectors saw these K/V and its PPL and KL flatter it (%s); calibrate on another text (kvbits "
         "calibrate --data OTHER) for a fair figure",
         scheme, where, overlap, MEASURED,
+    )  # fmt: skip
+    return True
+
+
+def warn_bos_mismatch(scheme: str, artifact: Any, bos: str) -> bool:
+    """Log a warning when ``scheme``'s calibration was fitted on windows cut with another BOS choice than the
+    evaluation's (``bos``: ``"always"`` / ``"never"``; an artifact's ``data["bos"]``, ``"never"`` where it has none):
+    the BOS is the attention sink, so the K/V the scales saw at the first positions are not those served. Returns
+    whether it warned."""
+    cal = sorted({"always" if r.get("bos") == "always" else "never" for r in _data_records(artifact)})
+    if cal == [bos]:
+        return False
+    where = "" if getattr(artifact, "path", None) is None else f" ({artifact.path})"
+    logger.warning(
+        "%s's calibration%s was fitted on windows with bos %s, this evaluation's windows have bos %s: its scales saw "
+        "other K/V at the first positions than those served (calibrate with kvbits calibrate --bos %s, or evaluate "
+        "with --bos %s)",
+        scheme, where, "/".join(cal), bos, bos, cal[0],
     )  # fmt: skip
     return True
 

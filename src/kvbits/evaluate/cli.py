@@ -11,6 +11,7 @@ from typing import Any
 
 from kvbits._argtypes import (
     FUSED_DECODE,
+    add_bos_arg,
     add_calibration_arg,
     add_dtype_device,
     add_model_data_args,
@@ -111,15 +112,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         data_path_help=DATA_PATH_HELP,
     )
     add_window_args(p, context=8192, windows=1)
-    p.add_argument(
-        "--bos",
-        choices=("auto", "always", "never"),
-        default="auto",
-        help="start each window with the tokenizer's BOS token: auto (the default) where the tokenizer adds one to a "
-        "text itself (Llama, Mistral, Gemma; SmolLM2 and Qwen2.5 add none), always, never (raw slices of the text); "
-        "with a BOS a window is the BOS and context - 1 text tokens, the BOS not scored; the summary's \"bos\" "
-        "says what ran (\"always\" / \"never\")",
-    )
+    add_bos_arg(p, note=", the BOS not scored; the summary's \"bos\" says what ran (\"always\" / \"never\")")
     p.add_argument(
         "--scheme",
         action="append",

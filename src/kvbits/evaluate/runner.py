@@ -62,7 +62,12 @@ from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
 from kvbits._spelling import spell
-from kvbits.evaluate.calib_text import calibrated_on_eval_text, warn_calibrated_on_eval_text, warn_stored
+from kvbits.evaluate.calib_text import (
+    calibrated_on_eval_text,
+    warn_bos_mismatch,
+    warn_calibrated_on_eval_text,
+    warn_stored,
+)
 from kvbits.evaluate.data import BOS_MODES, load_text
 from kvbits.evaluate.distributed import kept_cuda_device, resolve_ranks
 from kvbits.evaluate.generation import (
@@ -491,6 +496,8 @@ def evaluate(
         if ranks.main:  # with a BOS the text scored is W * (T - 1) tokens (the BOS is no text token)
             for name, rec in on_eval_text.items():
                 warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T, total=W * (T - (bos_id is not None)))
+            for name, art in calibrations.items():  # the BOS is the attention sink: scales fitted with or without it
+                warn_bos_mismatch(name, art, "never" if bos_id is None else "always")
     if out is not None:
         # every rank's inputs are loaded and checked: now the old run may go (rank 0 alone writes)
         with ranks.agree("preparing the output folder"):

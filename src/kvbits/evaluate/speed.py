@@ -463,20 +463,22 @@ def _prompt_source(data: Any, data_path: str | None) -> Any:
 
 
 def _prompts(
-    data: Any, tokenizer: Any, context: int, batch: int, data_path: str | None, model: Any = None
-) -> tuple[torch.Tensor, int, str, str]:
-    """``(ids (batch, context), distinct rows, data name, token fingerprint)``: consecutive windows of the
-    text, repeated when it holds fewer than ``batch`` of them (logged)."""
+    data: Any, tokenizer: Any, context: int, batch: int, data_path: str | None, model: Any = None,
+    bos: str = "never",
+) -> tuple[torch.Tensor, int, str, str, int | None]:
+    """``(ids (batch, context), distinct rows, data name, token fingerprint, BOS id or None)``: consecutive windows of
+    the text (each starting with the BOS where ``bos`` resolves to one), repeated when it holds fewer than ``batch``
+    of them (logged)."""
     from kvbits.evaluate.inputs import _load_windows
 
-    win, name, fp, _ = _load_windows(data, tokenizer, context, batch, data_path, model)
+    win, name, fp, bos_id = _load_windows(data, tokenizer, context, batch, data_path, model, bos)
     distinct = int(win.shape[0])
     if distinct < batch:
         logger.warning(
             "the text holds %d window(s) of %d tokens; batch %d repeats them", distinct, context, batch
         )
         win = win.repeat((batch + distinct - 1) // distinct, 1)[:batch]
-    return win, distinct, name, fp
+    return win, distinct, name, fp, bos_id
 
 
 @runs_on_device
@@ -500,6 +502,7 @@ def speed_eval(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     progress: bool = False,
+    bos: str = "auto",
 ) -> dict[str, Any]:
     """Decode throughput and cache memory of each scheme against ``DynamicCache`` (module docstring).
 
@@ -524,10 +527,16 @@ def speed_eval(
             (``kvbits.evaluate.graphs``; a CUDA device, ``warmup`` of 3 or more).
         sdpa: SDPA's backends for the whole run, ``"auto"`` or ``"no-cudnn"`` (module docstring).
         data_path, dtype, device: as ``evaluate``.
+        bos: ``"auto"`` (each prompt starts with the tokenizer's BOS where ``tokenizer(text)`` adds one), ``"always"``
+            or ``"never"``, as ``evaluate`` takes it; the summary's ``"bos"`` says what ran (``"always"`` /
+            ``"never"``; a record without it: ``"never"``).
         progress: a progress bar on stderr.
+        bos: ``"auto"`` (each prompt starts with the tokenizer's BOS where ``tokenizer(text)`` adds one), ``"always"``
+            or ``"never"``, as ``evaluate`` takes it; the summary's ``"bos"`` says what ran (``"always"`` /
+            ``"never"``; a record without it: ``"never"``).
 
     Returns:
-        ``{"version", "model", "data", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
+        ``{"version", "model", "data", "bos", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
         "tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa",
         "kernel_settings": {"kernel", "dequant",
         "autotune"} (``kvbits.kernels.dispatch.kernel_settings``), "tuned_launches": {launch key: candidate} (the
@@ -555,6 +564,7 @@ def speed_eval(
     check_model_arg(model, "speed_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
+    from kvbits.evaluate.data import BOS_MODES
     from kvbits.evaluate.inputs import (
         _check_before_loading,
         _data_arg,
@@ -577,6 +587,8 @@ def speed_eval(
 
     contexts = check_ints("context", contexts, 1)
     batches = check_ints("batch", batches, 1)
+    if bos not in BOS_MODES:
+        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
     resolved = resolve_schemes(schemes)
     fused_mode = check_mode(fused_decode)
     from kvbits.kernels import autotune, dispatch
@@ -626,6 +638,7 @@ def speed_eval(
     runs: list[dict[str, Any]] = []
     fps: dict[tuple[int, int], str] = {}
     data_name = "tokens"
+    bos_id: int | None = None
     prefill_warm = decode_warm = False
     t_wall = time.perf_counter()
     total = len(contexts) * len(batches) * (len(baselines) + len(resolved))
@@ -633,8 +646,8 @@ def speed_eval(
         job = bar.add_task("speed", total=total) if bar is not None else None
         for context in contexts:
             for batch in batches:
-                ids, distinct, data_name, fps[(context, batch)] = _prompts(
-                    prompts, tokenizer, context, batch, data_path, model
+                ids, distinct, data_name, fps[(context, batch)], bos_id = _prompts(
+                    prompts, tokenizer, context, batch, data_path, model, bos
                 )
                 caches = [None, *([STATIC_BASELINE] if static else []), *resolved]
                 cell = {"context": context, "batch": batch, "cached_tokens": context + warmup + tokens,
@@ -731,6 +744,7 @@ def speed_eval(
         "version": SPEED_VERSION,
         "model": _model_arg(model_spec, model_name),
         "data": "tokens" if isinstance(data, torch.Tensor) else _data_arg(data_spec, data_name),
+        "bos": "never" if bos_id is None else "always",
         "device": {"type": dev.type, "name": _device_name(dev), "threads": torch.get_num_threads()},
         "layers": n_layers,
         "dtype": _run_dtype(model, dtype_name),

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvbits._argtypes import (
     FUSED_DECODE,
+    add_bos_arg,
     add_calibration_arg,
     add_dtype_device,
     add_model_data_args,
@@ -130,6 +131,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     add_calibration_arg(p)
     add_threads_arg(p)
+    add_bos_arg(p, note=" (the prompts: the BOS and context - 1 text tokens); speed.json's \"bos\" says what ran")
     add_summary_output_args(p, "speed")
     add_dtype_device(p, DEVICES)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             fused_decode=FUSED_DECODE[args.fused_decode], workspace=args.workspace, reserve=not args.grow,
             static=args.static, graphs=args.graphs, sdpa=args.sdpa,
             data_path=args.data_path, dtype=args.dtype, device=args.device,
-            progress=not (args.no_progress or args.json),
+            progress=not (args.no_progress or args.json), bos=args.bos,
         )  # fmt: skip
     from kvbits.evaluate.speed import failed_cells
     from kvbits.report.speed import write_speed

@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 from kvbits._argtypes import (
+    add_bos_arg,
     add_dtype_device,
     add_model_data_args,
     add_threads_arg,
@@ -110,6 +111,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the snapshot as JSON on stdout (nothing else)")
     add_dtype_device(p, ("cpu", "cuda"))
     add_threads_arg(p)
+    add_bos_arg(p)
     return p
 
 
@@ -181,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)  # before watch() loads the model
     with on_device(args.device):  # cuda:N current: Triton launches on the current device's stream
         mon = watch(args.model, args.data, args.context, args.scheme, policy, calibration=args.calibration,
-                    data_path=args.data_path, dtype=args.dtype, device=args.device, labels=labels)  # fmt: skip
+                    data_path=args.data_path, dtype=args.dtype, device=args.device, labels=labels,
+                    bos=args.bos)  # fmt: skip
     if args.prom:
         mon.write_prometheus(args.prom)
     if args.events:

@@ -28,6 +28,7 @@ def watch(
     device: str | None = None,
     labels: dict[str, object] | None = None,
     progress: Any = None,
+    bos: str = "auto",
 ) -> CacheMonitor:
     """Decode the first ``context`` tokens of ``data`` one by one through ``scheme``'s ``QuantizedKVCache``
     (the stream runner's decode semantics) with a ``CacheMonitor(policy)`` attached; returns the monitor
@@ -38,8 +39,11 @@ def watch(
     folder) is checked as ``evaluate`` checks it: against ``scheme`` before the model loads, then against the model
     loaded, its shape always and its weights (fingerprint) where both sides pin them. The cache logs no calibration
     warnings of its own: the monitor's signals count the clipped values and say when the calibrated length is passed.
+    ``bos`` (``"auto"``, ``"always"``, ``"never"``): whether the decoded tokens start with the tokenizer's BOS, as
+    ``evaluate``'s windows do (the BOS and ``context - 1`` text tokens; ``kvbits.evaluate.data.resolve_bos``).
     """
     from kvbits.calibrate import checked_artifact
+    from kvbits.evaluate.data import BOS_MODES
     from kvbits.evaluate.inputs import _check_calibration_models, _load_model, _load_windows
     from kvbits.evaluate.request import _resolve_dtype, check_device
     from kvbits.evaluate.stream import PeerScheme, resolve_scheme, stream_hidden
@@ -47,6 +51,8 @@ def watch(
 
     if not isinstance(context, int) or isinstance(context, bool) or context < 2:
         raise ValueError(f"context must be an int >= 2, got {context!r}")
+    if bos not in BOS_MODES:
+        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
     resolved = resolve_scheme(scheme)
     if isinstance(resolved, PeerScheme) or resolved.is_identity:
         raise ValueError(
@@ -62,7 +68,7 @@ def watch(
     # as every other command that runs a model: refused past a learned position table (torch's IndexError inside the
     # model otherwise), logged as extrapolation past a RoPE model's max_position_embeddings
     check_context_fits(lm.config, context)
-    windows = _load_windows(data, tokenizer, context, 1, data_path, lm)[0]  # (windows, name, fingerprint, BOS id)
+    windows, _, _, _ = _load_windows(data, tokenizer, context, 1, data_path, lm, bos)
     if windows.shape[0] == 0:
         raise ValueError(f"the text has fewer than {context} tokens")
     ids = windows[:1].to(next(lm.parameters()).device)
