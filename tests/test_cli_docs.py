@@ -280,3 +280,60 @@ def test_data_path_help_lists_the_roots_the_loader_searches(tmp_path, monkeypatc
             seen.add(os.path.realpath(p))
             want.append(p.resolve())
     assert [p.resolve() for p in data_search_path()] == want
+
+
+def test_the_readme_names_the_commands_that_take_bos() -> None:
+    """The README's CLI section says `kvbits eval` takes `--bos` (default auto), `speed`, `monitor` and `calibrate` the
+    same, and `needle`, `tune` and `analyze` cut raw slices: exactly the commands whose parser has `--bos`."""
+    text = " ".join(README.read_text().split())
+    assert "With `--bos auto` (the default) each window of `kvbits eval` starts with the tokenizer's BOS" in text
+    same = re.search(r"`kvbits speed`, `monitor` and `calibrate` take the same `--bos`", text)
+    raw = re.search(r"`kvbits needle`, `tune`'s calibration and `analyze` still cut raw slices", text)
+    assert same is not None and raw is not None
+    takes = {n for n, p in subparsers().items() if any("--bos" in a.option_strings for a in p._actions)}
+    assert takes == {"eval", "speed", "monitor", "calibrate"}
+    assert not takes & {"needle", "tune", "analyze"}
+    for name in takes:
+        (bos,) = (a for a in subparsers()[name]._actions if "--bos" in a.option_strings)
+        assert bos.default == "auto" and list(bos.choices) == ["auto", "always", "never"], name
+
+
+def test_the_readme_quotes_the_lines_monitor_prints_for_the_files_it_wrote(capsys) -> None:
+    """README's monitor row quotes what `kvbits monitor` prints after writing --prom / --events; the printed lines
+    are those words."""
+    from kvbits.monitor.cli import _say_written
+
+    text = " ".join(README.read_text().split())
+    assert ("`kvbits monitor` without `--json` ends by naming the files it wrote: `wrote <--prom> (Prometheus text)`, "
+            "`appended N event(s) to <--events> (JSON lines)`") in text  # fmt: skip
+    _say_written("runs/kvbits.prom", "runs/events.jsonl", 3)
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["wrote runs/kvbits.prom (Prometheus text)", "appended 3 event(s) to runs/events.jsonl (JSON lines)"]
+
+
+def test_the_readme_export_claims_hold(tmp_path) -> None:
+    """README's export row: the *_per_token_head dtypes come with --attention-backend TRITON_ATTN, the scales' notes
+    name OCP E4M3 and ROCm's E4M3FNUZ, and a tune record beside a scheme JSON gives --layers (a different one is
+    refused); the export help says a re-export replaces an earlier one's links."""
+    from kvbits.export.cli import _run_scheme, _tune_record_layers
+    from kvbits.export.vllm_flags import FNUZ_NOTE, vllm_cache_args
+
+    text = " ".join(README.read_text().split())
+    assert "the `*_per_token_head` dtypes with `--attention-backend TRITON_ATTN`" in text
+    for scheme in ("vllm-int4", "vllm-int8", "vllm-fp8-token"):
+        args = vllm_cache_args(scheme)
+        assert args.kv_cache_dtype.endswith("_per_token_head") and args.attention_backend == "TRITON_ATTN", scheme
+    assert "the scales are for OCP E4M3 (absmax / 448), and the notes say that on ROCm MI300 vLLM's fp8 is E4M3FNUZ (max 240)" in text
+    assert "OCP E4M3 (absmax / 448)" in FNUZ_NOTE and "E4M3FNUZ (max 240)" in FNUZ_NOTE
+    assert "a re-export into the same `--out` replaces the links and index an earlier export made there" in text
+    epilog = " ".join((subparsers()["export"].epilog or "").split())
+    assert "a re-export replaces the links and index an earlier one made there" in epilog
+    assert ("for a scheme JSON `kvbits tune` wrote, `--layers` defaults to `meta.layers` of the `<scheme>.tune.json` "
+            "beside it (a different `--layers` is refused)") in text  # fmt: skip
+    scheme = tmp_path / "tuned.json"
+    scheme.write_text("{}")
+    (tmp_path / "tuned.json.tune.json").write_text('{"meta": {"layers": 24}}')
+    assert _tune_record_layers(str(scheme)) == (24, tmp_path / "tuned.json.tune.json")
+    args = build_parser().parse_args(["export", "--scheme", str(scheme), "--layers", "12"])
+    with pytest.raises(ValueError, match="--layers 12 disagrees with .*meta.layers 24"):
+        _run_scheme(args)

@@ -175,3 +175,53 @@ def test_the_monitor_metrics_the_readme_names_are_exported_with_the_scheme_label
     exported = {line.split("{", 1)[0] for line in samples}
     assert names <= exported, names - exported
     assert all('scheme="int8-token"' in line for line in samples)
+
+
+def test_the_verdict_check_sentence_the_readme_describes() -> None:
+    """README's report row: the verdict adds a `Check:` sentence for a bucket more than 1 % below the reference whose
+    whole 95 % CI lies below zero: the bound is verdict.IMPLAUSIBLE_GAIN."""
+    from kvbits.report.verdict import IMPLAUSIBLE_GAIN
+
+    text = " ".join(README.read_text().split())
+    assert (f"the verdict adds a `Check:` sentence for a quantized scheme more than {100 * IMPLAUSIBLE_GAIN:g} % below "
+            "the unquantized reference in a bucket whose whole 95 % CI lies below zero") in text  # fmt: skip
+
+
+def test_an_edited_calibration_json_is_refused_as_the_readme_says(tmp_path) -> None:
+    """README's calibrate row: calibration.json's meta_sha256 covers its fields less created and timing_s; an edit is
+    refused naming both hashes, and the refusal says to delete meta_sha256 to load an edit made on purpose."""
+    from kvbits.calibrate.artifact import _check_meta_sha256, meta_sha256
+
+    text = " ".join(README.read_text().split())
+    assert ("`calibration.json` records `meta_sha256`, the sha256 of its own fields less `created` and `timing_s`: one "
+            "edited by hand is refused at load, naming both hashes; to load an edit made on purpose, delete its "
+            "`meta_sha256`") in text  # fmt: skip
+    meta = {"data": {"context": 128}, "created": "2026-12-07", "timing_s": {"fit": 1.0}}
+    meta["meta_sha256"] = meta_sha256(meta)
+    _check_meta_sha256({**meta, "created": "2020-01-01", "timing_s": {}}, tmp_path / "calibration.json")
+    edited = {**meta, "data": {"context": 4096}}
+    with pytest.raises(ValueError, match=rf"hash to meta_sha256 {meta_sha256(edited)}, it records '{meta['meta_sha256']}'.*delete its meta_sha256"):
+        _check_meta_sha256(edited, tmp_path / "calibration.json")
+
+
+def test_reset_logs_a_pending_lazy_check_as_the_readme_says(caplog) -> None:
+    """README's range paragraph: reset() of a lazily checked cache reads the check still pending and logs the bad K/V
+    it finds (WARNING) instead of forgetting them, never raising; the three classes it names have such a reset."""
+    import logging
+
+    import torch
+
+    from kvbits.cache import QuantizedKVCache, QuantizedKVLayer, StaticQuantizedKVCache
+
+    text = " ".join(README.read_text().split())
+    assert ("`reset()` of `QuantizedKVCache`, `StaticQuantizedKVCache` or a lone `QuantizedKVLayer` reads a check still "
+            "pending and logs the bad K/V it finds as a WARNING instead of forgetting them, never raising") in text  # fmt: skip
+    for cls in (QuantizedKVCache, StaticQuantizedKVCache, QuantizedKVLayer):
+        assert "WARNING" in (cls.reset.__doc__ or ""), cls
+    cache = QuantizedKVCache(num_layers=1, scheme="int4-token", checks="lazy", check_every=64)
+    k, v = torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
+    k[:, :, 8] = float("nan")
+    cache.update(k, v, 0)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        cache.reset()
+    assert any("pending lazy K/V check failed" in r.getMessage() and "NaN" in r.getMessage() for r in caplog.records)
