@@ -342,6 +342,44 @@ def test_triton_kernel_reads_only_the_used_slots(monkeypatch, name: str, dequant
     torch.testing.assert_close(out, decode_attention_reference(q, cut), atol=2e-3 if half else 2e-6, rtol=0)
 
 
+# (spec, used slots, half queries, kernel): product kernel (f32 tiles, row gather, int32-word mask and scale reads
+# on 32-token tiles over 3 splits, f16 tiles) and the folded kernel (float16 queries only)
+MASKED_LAUNCHES = {
+    "int8-token-f32": ("int8-token", 40, False, {}),
+    "int8-token-gather": ("int8-token", 40, False, {"vectorized": False}),
+    "int8-token-words": ("int8-token", 40, False, {"meta32": True, "block_t": 32, "splits": 3}),
+    "int4-token-f16": ("int4-token", 40, True, {"dequant": "f16"}),
+    "int2-channel-f32": ("int2-channel", 32, False, {}),
+    "int4-token-fold": ("int4-token", 40, True, "fold"),
+}
+
+
+@pytest.mark.parametrize("case", list(MASKED_LAUNCHES))
+def test_triton_kernels_keep_the_slot_mask_of_the_used_slots(monkeypatch, case: str):
+    """The Triton kernels on a reserved store (``quant_used`` below ``T_q``) of a left-padded batch give the
+    reference's output (``test_reference_keeps_the_slot_mask_of_the_used_slots``), which the pads change.
+    ``test_bounds`` runs such a store only for bounds and finite output; a kernel dropping the mask of a
+    reserved store (mutant: ``HAS_QMASK`` false when ``quant_used`` is set) gave the unmasked output, 0.86 off."""
+    use_triton(monkeypatch)
+    from kvbits.kernels import triton_decode, triton_fold  # after use_triton: interpreted on CPU
+
+    name, used, half, kw = MASKED_LAUNCHES[case]
+    reserved, _, q = _store_with_garbage(SPECS[name], used=used, slots=96, half=half)
+    mask = torch.ones(2, 96, dtype=torch.bool)
+    mask[1, :20] = False  # sequence 1 left-padded
+    reserved = replace(reserved, quant_mask=word_rows(mask))
+    if kw == "fold":
+        assert triton_fold.fold_supported(reserved, q) is None, triton_fold.fold_supported(reserved, q)
+        out = triton_fold.decode_attention_fold(q, reserved, splits=2)
+    else:
+        out = triton_decode.decode_attention_triton(q, reserved, **kw)
+    want = decode_attention_reference(q, reserved)
+    tol = 2e-3 if half else 2e-6
+    torch.testing.assert_close(out, want, atol=tol, rtol=0)
+    unmasked = decode_attention_reference(q, replace(reserved, quant_mask=None))
+    assert (out.float() - unmasked.float()).abs().max() > 0.1  # the pads matter: a mask dropped would show
+
+
 @pytest.mark.parametrize("reserve", [None, FULL])
 def test_triton_kernel_reads_scales_as_words_at_every_slot_count(monkeypatch, reserve: int | None):
     """One scale per token row (``int8-token``): a growing cache holds an odd number of slots every other step
