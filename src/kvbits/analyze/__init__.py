@@ -7,25 +7,54 @@ the quantization range they consume, compares int4 per-token and per-channel key
 channel-magnitude heatmaps (matplotlib, optional). CLI: ``kvbits analyze``.
 """
 
-from kvbits.analyze.collect import (
-    ANALYSIS_VERSION,
-    Analysis,
-    LayerAnalysis,
-    analysis_sites,
-    analyze,
-    attention_sites,
-    kv_hooks,
+from typing import TYPE_CHECKING
+
+from kvbits._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvbits.analyze.collect import (
+        ANALYSIS_VERSION,
+        Analysis,
+        LayerAnalysis,
+        analysis_sites,
+        analyze,
+        attention_sites,
+        kv_hooks,
+    )
+    from kvbits.analyze.outliers import (
+        DEFAULT_LAYER_FRACTION,
+        DEFAULT_THRESHOLD,
+        int_sqnr,
+        outlier_channels,
+        range_used_per_token,
+        recommend,
+        sqnr_db,
+    )
+    from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
+
+# imported on first use: `kvbits --help` imports this package's cli module without torch (kvbits._lazy)
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "ANALYSIS_VERSION": "collect",
+        "Analysis": "collect",
+        "LayerAnalysis": "collect",
+        "analysis_sites": "collect",
+        "analyze": "collect",
+        "attention_sites": "collect",
+        "kv_hooks": "collect",
+        "DEFAULT_LAYER_FRACTION": "outliers",
+        "DEFAULT_THRESHOLD": "outliers",
+        "int_sqnr": "outliers",
+        "outlier_channels": "outliers",
+        "range_used_per_token": "outliers",
+        "recommend": "outliers",
+        "sqnr_db": "outliers",
+        "BlockReservoir": "stats",
+        "ChannelStats": "stats",
+        "TensorReport": "stats",
+    },
 )
-from kvbits.analyze.outliers import (
-    DEFAULT_LAYER_FRACTION,
-    DEFAULT_THRESHOLD,
-    int_sqnr,
-    outlier_channels,
-    range_used_per_token,
-    recommend,
-    sqnr_db,
-)
-from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
 
 __all__ = [
     "ANALYSIS_VERSION",

@@ -19,12 +19,16 @@ from kvbits._argtypes import (
     bounded,
     on_device,
 )
-from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD
 
 logger = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cuda", "mps")
 """Device types ``kvbits analyze`` runs on (checked before the model loads)."""
+
+# kvbits.analyze.outliers' defaults, written out so that building the parser imports no torch
+# (tests/test_cli_imports.py checks the two agree)
+DEFAULT_THRESHOLD = 4.0
+DEFAULT_LAYER_FRACTION = 0.25
 
 
 _threshold = bounded(float, 1, lo_open=True, what="an outlier threshold")

@@ -8,18 +8,45 @@ from those of the schemes its layers use; ``CalibrationArtifact.quantize_kwargs(
 ``kvbits.quant.quantize`` needs for that layer's keys or values.
 """
 
-from kvbits.calibrate.artifact import (
-    ARTIFACT_FORMAT_VERSION,
-    CalibrationArtifact,
-    checked_artifact,
-    load_calibration,
-    spec_calibratable,
-    spec_needs_calibration,
+from typing import TYPE_CHECKING
+
+from kvbits._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvbits.calibrate.artifact import (
+        ARTIFACT_FORMAT_VERSION,
+        CalibrationArtifact,
+        checked_artifact,
+        load_calibration,
+        spec_calibratable,
+        spec_needs_calibration,
+    )
+    from kvbits.calibrate.calibrate import CalibrationSamples, calibrate, collect_samples, fit_artifact
+    from kvbits.calibrate.compose import compose_artifact
+    from kvbits.calibrate.fit import artifact_from_samples, fit_side
+    from kvbits.calibrate.kmeans import fit_codebook, weighted_kmeans_1d
+
+# imported on first use: `kvbits --help` imports this package's cli module without torch (kvbits._lazy)
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "ARTIFACT_FORMAT_VERSION": "artifact",
+        "CalibrationArtifact": "artifact",
+        "checked_artifact": "artifact",
+        "load_calibration": "artifact",
+        "spec_calibratable": "artifact",
+        "spec_needs_calibration": "artifact",
+        "CalibrationSamples": "calibrate",
+        "calibrate": "calibrate",
+        "collect_samples": "calibrate",
+        "fit_artifact": "calibrate",
+        "compose_artifact": "compose",
+        "artifact_from_samples": "fit",
+        "fit_side": "fit",
+        "fit_codebook": "kmeans",
+        "weighted_kmeans_1d": "kmeans",
+    },
 )
-from kvbits.calibrate.calibrate import CalibrationSamples, calibrate, collect_samples, fit_artifact
-from kvbits.calibrate.compose import compose_artifact
-from kvbits.calibrate.fit import artifact_from_samples, fit_side
-from kvbits.calibrate.kmeans import fit_codebook, weighted_kmeans_1d
 
 __all__ = [
     "ARTIFACT_FORMAT_VERSION",

@@ -21,8 +21,11 @@ from kvbits._argtypes import (
     on_device,
 )
 from kvbits._json import dumps
-from kvbits.calibrate.calibrate import DEVICES
 from kvbits.cli import _positive
+
+DEVICES = ("cpu", "cuda", "mps")
+"""Device types ``kvbits calibrate`` runs on: ``kvbits.calibrate.calibrate.DEVICES``, written out so that building
+the parser imports no torch (tests/test_cli_imports.py checks the two agree)."""
 
 _percentile = bounded(float, 50, 100, what="a percentile")
 

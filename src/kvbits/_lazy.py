@@ -1,0 +1,48 @@
+"""Lazy package exports: ``from kvbits.calibrate import calibrate`` works, but ``import kvbits.calibrate.cli`` (what
+``kvbits --help`` does for each command) no longer imports torch, transformers and ``torch._dynamo`` with it.
+
+A package calls ``__getattr__ = lazy_exports(__name__, {"calibrate": "calibrate", ...})`` (public name -> the
+submodule defining it); a name is imported on its first use (PEP 562) and then bound like an eager import.
+A submodule named like a function it exports (``kvbits.calibrate.calibrate``, ``kvbits.monitor.watch``,
+``kvbits.report.verdict``) never binds over that name when imported: the package attribute stays the function, as it
+was when the package imported it eagerly (the module stays in ``sys.modules`` under its full name).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["lazy_exports"]
+
+
+class _LazyPackage(types.ModuleType):
+    """The module type of a package with lazy exports (see the module docstring)."""
+
+    _lazy_exports: Mapping[str, str]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        exports = self.__dict__.get("_lazy_exports", {})
+        if isinstance(value, types.ModuleType) and name in exports and value.__name__ == f"{self.__name__}.{name}":
+            return  # the submodule of the same name: the package attribute is the function it exports
+        super().__setattr__(name, value)
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """The module ``__getattr__`` of ``package`` that imports ``exports[name]`` (a submodule) for ``name``."""
+    module = sys.modules[package]
+    module.__dict__["_lazy_exports"] = dict(exports)
+    module.__class__ = _LazyPackage
+
+    def __getattr__(name: str) -> Any:
+        submodule = exports.get(name)
+        if submodule is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{submodule}"), name)
+        module.__dict__[name] = value  # bound once: later lookups do not come here
+        return value
+
+    return __getattr__
