@@ -197,3 +197,42 @@ def test_eval_warns_when_its_calibration_was_cut_with_another_bos(tmp_path, capl
     with caplog.at_level("WARNING"):
         evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=1, calibration={"kvquant-4": never}, bos="never")
     assert "fitted on windows with bos" not in caplog.text
+
+
+def test_needle_trials_start_with_the_bos_record_it_and_do_not_merge_with_raw_ones(tmp_path):
+    """``needle_eval`` tokenized its haystack without special tokens and cut the trials itself: no BOS whatever the
+    tokenizer adds. Now ``bos="auto"`` puts it first (then a haystack one token shorter), needle.json records
+    ``"bos"`` and its tokens fingerprint ``+bos<id>``, and a merge refuses to mix runs with and without a BOS."""
+    import importlib
+
+    from kvbits.evaluate.needle import build_trials
+    from kvbits.evaluate.needle_run import needle_eval
+    from kvbits.report.merge_needle import merge_needle
+
+    tok = bos_tokenizer(True)
+    ids = torch.tensor(tok("The old man walked down to the harbour. " * 20, add_special_tokens=False)["input_ids"])
+    (raw,) = build_trials(tok, ids, 200, [0.5], seed=0)
+    (with_bos,) = build_trials(tok, ids, 200, [0.5], seed=0, bos_id=0)
+    assert with_bos.ids.shape == (200,) and with_bos.ids[0].item() == 0 and raw.ids[0].item() != 0
+    assert with_bos.ids[with_bos.needle_at : with_bos.needle_at + with_bos.needle_len].tolist() == \
+        raw.ids[raw.needle_at : raw.needle_at + raw.needle_len].tolist()  # fmt: skip
+    assert with_bos.ids[with_bos.answer_start :].tolist() == raw.ids[raw.answer_start :].tolist()
+    assert with_bos.haystack_len == raw.haystack_len - 1
+
+    text = str(write_sentences(tmp_path / "t.txt", 80))
+    run = importlib.import_module("kvbits.evaluate.needle_run")
+    seen: list[torch.Tensor] = []
+    real = run.build_trials
+    run.build_trials = lambda *a, **k: [seen.append(t.ids) or t for t in real(*a, **k)]
+    try:
+        auto = needle_eval(_bos_model(), 200, ["int4-token"], data=text, depths=[0.5])
+        never = needle_eval(_bos_model(), 200, ["int4-token"], data=text, depths=[0.5], bos="never")
+    finally:
+        run.build_trials = real
+    assert (auto["bos"], never["bos"]) == ("always", "never")
+    assert seen[0][0].item() == 0 and seen[1][0].item() != 0
+    assert auto["fingerprint"]["tokens"] == never["fingerprint"]["tokens"] + "+bos0"
+    with pytest.raises(ValueError, match="differ in their bos"):
+        merge_needle([auto, never])
+    with pytest.raises(ValueError, match="bos must be one of"):
+        needle_eval(_bos_model(), 200, ["int4-token"], data=text, bos="yes")
