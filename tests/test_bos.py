@@ -236,3 +236,25 @@ def test_needle_trials_start_with_the_bos_record_it_and_do_not_merge_with_raw_on
         merge_needle([auto, never])
     with pytest.raises(ValueError, match="bos must be one of"):
         needle_eval(_bos_model(), 200, ["int4-token"], data=text, bos="yes")
+
+
+def test_analyze_windows_start_with_the_bos_and_analysis_json_records_it(tmp_path, monkeypatch, capsys):
+    """``kvbits analyze`` cut raw slices (``make_windows`` without a BOS) whatever the tokenizer adds, and had no
+    ``--bos``; now its windows start with the BOS where the tokenizer adds one, and analysis.json records ``bos``."""
+    from kvbits.analyze import collect
+    from kvbits.cli import main
+    from kvbits.evaluate import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: _bos_model())
+    seen: list[torch.Tensor] = []
+    real = collect.analyze
+    monkeypatch.setattr(collect, "analyze", lambda model, windows, **k: (seen.append(windows), real(model, windows, **k))[1])
+    text = str(write_sentences(tmp_path / "t.txt", 60))
+    argv = ["analyze", "--model", "tb", "--data", text, "--context", "64", "--windows", "1", "--json"]
+    runs = []
+    for extra in ([], ["--bos", "never"]):
+        assert main(argv + extra) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert (runs[0]["bos"], runs[1]["bos"]) == ("always", "never")
+    assert seen[0][0, 0].item() == 0 and seen[1][0, 0].item() != 0
+    assert seen[0][0, 1:].tolist() == seen[1][0, :63].tolist()
