@@ -258,3 +258,26 @@ def test_analyze_windows_start_with_the_bos_and_analysis_json_records_it(tmp_pat
     assert (runs[0]["bos"], runs[1]["bos"]) == ("always", "never")
     assert seen[0][0, 0].item() == 0 and seen[1][0, 0].item() != 0
     assert seen[0][0, 1:].tolist() == seen[1][0, :63].tolist()
+
+
+def test_tune_passes_its_bos_to_every_pass_and_records_it(tmp_path, monkeypatch):
+    """``tune`` took no ``bos``: its passes ran with evaluate's default whatever was asked, and ``kvbits tune`` had no
+    ``--bos``. Now ``tune(bos=...)`` (``--bos``) reaches the sensitivity, round and check passes and ``meta["bos"]``
+    records what ran."""
+    from kvbits.cli import build_parser
+    from kvbits.evaluate import runner
+    from kvbits.tune import tune
+
+    asked: list[str] = []
+    real = runner.evaluate
+    monkeypatch.setattr(runner, "evaluate", lambda *a, **k: (asked.append(k.get("bos", "auto")), real(*a, **k))[1])
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    cands = ["int2-token", "int8-token"]
+    res = tune(_bos_model(), text, cands, 6.0, context=32, rounds=2, bos="never")
+    assert res.meta["bos"] == "never" and len(asked) >= 3 and set(asked) == {"never"}
+    assert tune(_bos_model(), text, cands, 6.0, context=32, check=False).meta["bos"] == "always"
+    with pytest.raises(ValueError, match="bos must be one of"):
+        tune(_bos_model(), text, cands, 6.0, context=32, bos="yes")
+    args = build_parser().parse_args(["tune", "--model", "m", "--data", "t", "--candidates", "int2-token", "--candidates",
+                                      "int8-token", "--budget-bits", "6", "--bos", "never"])  # fmt: skip
+    assert args.bos == "never"
