@@ -197,3 +197,87 @@ def test_eval_warns_when_its_calibration_was_cut_with_another_bos(tmp_path, capl
     with caplog.at_level("WARNING"):
         evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=1, calibration={"kvquant-4": never}, bos="never")
     assert "fitted on windows with bos" not in caplog.text
+
+
+def test_needle_trials_start_with_the_bos_record_it_and_do_not_merge_with_raw_ones(tmp_path):
+    """``needle_eval`` tokenized its haystack without special tokens and cut the trials itself: no BOS whatever the
+    tokenizer adds. Now ``bos="auto"`` puts it first (then a haystack one token shorter), needle.json records
+    ``"bos"`` and its tokens fingerprint ``+bos<id>``, and a merge refuses to mix runs with and without a BOS."""
+    import importlib
+
+    from kvbits.evaluate.needle import build_trials
+    from kvbits.evaluate.needle_run import needle_eval
+    from kvbits.report.merge_needle import merge_needle
+
+    tok = bos_tokenizer(True)
+    ids = torch.tensor(tok("The old man walked down to the harbour. " * 20, add_special_tokens=False)["input_ids"])
+    (raw,) = build_trials(tok, ids, 200, [0.5], seed=0)
+    (with_bos,) = build_trials(tok, ids, 200, [0.5], seed=0, bos_id=0)
+    assert with_bos.ids.shape == (200,) and with_bos.ids[0].item() == 0 and raw.ids[0].item() != 0
+    assert with_bos.ids[with_bos.needle_at : with_bos.needle_at + with_bos.needle_len].tolist() == \
+        raw.ids[raw.needle_at : raw.needle_at + raw.needle_len].tolist()  # fmt: skip
+    assert with_bos.ids[with_bos.answer_start :].tolist() == raw.ids[raw.answer_start :].tolist()
+    assert with_bos.haystack_len == raw.haystack_len - 1
+
+    text = str(write_sentences(tmp_path / "t.txt", 80))
+    run = importlib.import_module("kvbits.evaluate.needle_run")
+    seen: list[torch.Tensor] = []
+    real = run.build_trials
+    run.build_trials = lambda *a, **k: [seen.append(t.ids) or t for t in real(*a, **k)]
+    try:
+        auto = needle_eval(_bos_model(), 200, ["int4-token"], data=text, depths=[0.5])
+        never = needle_eval(_bos_model(), 200, ["int4-token"], data=text, depths=[0.5], bos="never")
+    finally:
+        run.build_trials = real
+    assert (auto["bos"], never["bos"]) == ("always", "never")
+    assert seen[0][0].item() == 0 and seen[1][0].item() != 0
+    assert auto["fingerprint"]["tokens"] == never["fingerprint"]["tokens"] + "+bos0"
+    with pytest.raises(ValueError, match="differ in their bos"):
+        merge_needle([auto, never])
+    with pytest.raises(ValueError, match="bos must be one of"):
+        needle_eval(_bos_model(), 200, ["int4-token"], data=text, bos="yes")
+
+
+def test_analyze_windows_start_with_the_bos_and_analysis_json_records_it(tmp_path, monkeypatch, capsys):
+    """``kvbits analyze`` cut raw slices (``make_windows`` without a BOS) whatever the tokenizer adds, and had no
+    ``--bos``; now its windows start with the BOS where the tokenizer adds one, and analysis.json records ``bos``."""
+    from kvbits.analyze import collect
+    from kvbits.cli import main
+    from kvbits.evaluate import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: _bos_model())
+    seen: list[torch.Tensor] = []
+    real = collect.analyze
+    monkeypatch.setattr(collect, "analyze", lambda model, windows, **k: (seen.append(windows), real(model, windows, **k))[1])
+    text = str(write_sentences(tmp_path / "t.txt", 60))
+    argv = ["analyze", "--model", "tb", "--data", text, "--context", "64", "--windows", "1", "--json"]
+    runs = []
+    for extra in ([], ["--bos", "never"]):
+        assert main(argv + extra) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert (runs[0]["bos"], runs[1]["bos"]) == ("always", "never")
+    assert seen[0][0, 0].item() == 0 and seen[1][0, 0].item() != 0
+    assert seen[0][0, 1:].tolist() == seen[1][0, :63].tolist()
+
+
+def test_tune_passes_its_bos_to_every_pass_and_records_it(tmp_path, monkeypatch):
+    """``tune`` took no ``bos``: its passes ran with evaluate's default whatever was asked, and ``kvbits tune`` had no
+    ``--bos``. Now ``tune(bos=...)`` (``--bos``) reaches the sensitivity, round and check passes and ``meta["bos"]``
+    records what ran."""
+    from kvbits.cli import build_parser
+    from kvbits.evaluate import runner
+    from kvbits.tune import tune
+
+    asked: list[str] = []
+    real = runner.evaluate
+    monkeypatch.setattr(runner, "evaluate", lambda *a, **k: (asked.append(k.get("bos", "auto")), real(*a, **k))[1])
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    cands = ["int2-token", "int8-token"]
+    res = tune(_bos_model(), text, cands, 6.0, context=32, rounds=2, bos="never")
+    assert res.meta["bos"] == "never" and len(asked) >= 3 and set(asked) == {"never"}
+    assert tune(_bos_model(), text, cands, 6.0, context=32, check=False).meta["bos"] == "always"
+    with pytest.raises(ValueError, match="bos must be one of"):
+        tune(_bos_model(), text, cands, 6.0, context=32, bos="yes")
+    args = build_parser().parse_args(["tune", "--model", "m", "--data", "t", "--candidates", "int2-token", "--candidates",
+                                      "int8-token", "--budget-bits", "6", "--bos", "never"])  # fmt: skip
+    assert args.bos == "never"

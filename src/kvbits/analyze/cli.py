@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import (
+    add_bos_arg,
     add_dtype_device,
     add_model_data_args,
     add_seed_arg,
@@ -77,6 +78,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="at most this many tokens per layer sampled for percentiles, ranges, SQNR and plots, in whole "
         "blocks of min(128, --context) tokens (default 4096; the JSON's sampled_tokens: how many were)",
     )
+    add_bos_arg(p, note=" (the BOS's keys and values are analyzed with the text's, as a cache stores them; "
+                "analysis.json's \"bos\" says what ran)")
     add_dtype_device(p, DEVICES)
     add_threads_arg(p)
     add_seed_arg(p, "sampling seed")
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvbits.analyze.collect import MIN_GROUP, analyze
     from kvbits.cli import EXIT_OK, _print_json
-    from kvbits.evaluate.data import check_tokenized, load_text, make_windows, tokenize
+    from kvbits.evaluate.data import check_tokenized, load_text, make_windows, resolve_bos, tokenize
     from kvbits.evaluate.models import load_model
     from kvbits.evaluate.request import check_device
 
@@ -118,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
         ids = tokenize(text, lm.tokenizer)
         check_tokenized(ids, lm.tokenizer, lm.model, f"the text {text.name!r}")  # before analyze()'s forwards
-        windows = make_windows(ids, args.context, args.windows)
+        bos_id = resolve_bos(lm.tokenizer, args.bos)
+        windows = make_windows(ids, args.context, args.windows, bos_id)
         logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
         sample_tokens = max(args.sample_tokens, min(128, windows.shape[1]))  # analyze() needs one whole block
         if sample_tokens != args.sample_tokens:
@@ -136,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             fingerprint=lm.fingerprint,
             keep_samples=args.out is not None,
             progress=lambda done, total: logger.info("window %d/%d done", done, total),
+            bos="never" if bos_id is None else "always",
         )
     written = _write_outputs(result, args) if args.out else []
     if args.json:

@@ -173,6 +173,7 @@ class Analysis:
     fingerprint: str | None = None
     recommendation: dict[str, Any] = field(default_factory=dict)
     sampled_tokens: int | None = None  # tokens per layer actually sampled (whole blocks); None: not recorded
+    bos: str | None = None  # "always": each window starts with the BOS, "never": raw slices; None: not recorded
 
     def to_dict(self) -> dict[str, Any]:
         """The analysis as a dict of plain values; a non-finite figure stays the float it is (an exact int4
@@ -186,6 +187,7 @@ class Analysis:
             "data": self.data,
             "context": self.context,
             "windows": self.windows,
+            "bos": self.bos,
             "tokens": self.context * self.windows,
             "threshold": self.threshold,
             "layer_fraction": self.layer_fraction,
@@ -280,6 +282,7 @@ def analyze(
     fingerprint: str | None = None,
     keep_samples: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    bos: str | None = None,
 ) -> Analysis:
     """Run ``model`` on each window and answer, per layer, "are there outlier channels?".
 
@@ -296,6 +299,8 @@ def analyze(
         seed: the token sample's seed, an int in [0, 2**32 - 1].
         keep_samples: keep each layer's sample in ``LayerAnalysis.samples`` (for plots).
         progress: called as ``progress(done, total)`` after each window.
+        bos: what the windows start with, recorded as ``Analysis.bos`` (analysis.json's ``"bos"``): ``"always"``
+            (the BOS, ``make_windows(bos_id=...)``), ``"never"`` (raw slices), None (not said).
     """
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2:
         raise TypeError(
@@ -420,7 +425,7 @@ def analyze(
         del stats[s.layer_idx]  # drop this layer's accumulators before finalizing the next
     result = Analysis(
         model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint,
-        sampled_tokens=n_blocks * block,
+        sampled_tokens=n_blocks * block, bos=bos,
     )
     result.recommendation = recommend(
         [la.to_dict() for la in layers],  # their keys_rotated_unseen: not reproducible

@@ -108,7 +108,8 @@ class NeedleTask:
 
 @dataclass(frozen=True)
 class Trial:
-    """One retrieval trial: ``ids`` ``(context,)`` = haystack[:at] + needle + haystack[at:] + question + key.
+    """One retrieval trial: ``ids`` ``(context,)`` = [BOS] + haystack[:at] + needle + haystack[at:] + question + key
+    (the BOS first where ``build_trials`` was given a ``bos_id``; ``bos`` says so).
 
     When ``haystack[at:]`` starts without whitespace, a space or line break comes first, and the
     haystack's last tokens make room for it (``needle_len`` and ``doc_len`` are unchanged by it).
@@ -120,8 +121,9 @@ class Trial:
         key: the key's digits.
         offset: where the haystack starts in the text's token ids.
         needle_at: index of the needle's first token in ``ids``; ``needle_len``: its tokens.
-        doc_len: tokens before the question (haystack and needle: what a prefill stores).
+        doc_len: tokens before the question (the BOS, haystack and needle: what a prefill stores).
         answer_start: index of the key's first token; the key is ``ids[answer_start:]``.
+        bos: whether ``ids`` starts with a BOS token (then the haystack has ``doc_len - needle_len - 1`` tokens).
     """
 
     context: int
@@ -135,6 +137,12 @@ class Trial:
     doc_len: int
     answer_start: int
     ids: torch.Tensor
+    bos: bool = False
+
+    @property
+    def haystack_len(self) -> int:
+        """Tokens of the text in the trial (the haystack without the needle and the BOS)."""
+        return self.doc_len - self.needle_len - int(self.bos)
 
     def record(self) -> dict[str, Any]:
         """The trial without its ids (JSON)."""
@@ -304,6 +312,7 @@ def build_trials(
     *,
     task: NeedleTask | None = None,
     seed: int = 0,
+    bos_id: int | None = None,
 ) -> list[Trial]:
     """Every (context, depth, index) trial, contexts outermost.
 
@@ -315,6 +324,8 @@ def build_trials(
         trials: trials per (context, depth): each with its own key and haystack offset.
         task: needle and question templates (default :class:`NeedleTask`).
         seed: keys and offsets come from ``(seed, context, depth, index)``; an int in ``[0, 2**32 - 1]``.
+        bos_id: the token each trial starts with (``kvbits.evaluate.data.resolve_bos``), then the haystack, one
+            token shorter; None (the default): the haystack first.
 
     Raises:
         ValueError: a context too short for the task, a text shorter than a haystack, bad arguments.
@@ -325,6 +336,9 @@ def build_trials(
     if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 1:
         raise ValueError(f"trials must be a positive int (trials per context and depth), got {trials!r}")
     seed = check_seed(seed)
+    if bos_id is not None and (isinstance(bos_id, bool) or not isinstance(bos_id, (int, np.integer)) or bos_id < 0):
+        raise ValueError(f"bos_id must be a token id (an int >= 0) or None, got {bos_id!r}")
+    head = [] if bos_id is None else [int(bos_id)]
     if (
         not isinstance(text_ids, torch.Tensor)
         or text_ids.dim() != 1
@@ -334,11 +348,11 @@ def build_trials(
             f"text_ids must be a 1-D integer tensor of token ids, got "
             f"{type(text_ids).__name__} {tuple(getattr(text_ids, 'shape', ()))} {getattr(text_ids, 'dtype', '')}"
         )
-    shortest = min_context(tokenizer, task)
+    shortest = min_context(tokenizer, task) + len(head)
     if contexts[0] < shortest:
         raise ValueError(
-            f"context {contexts[0]} is too short for the retrieval task: needle, question and key take "
-            f"{shortest - MIN_HAYSTACK} tokens and the haystack at least {MIN_HAYSTACK}; use a context of at least {shortest}"
+            f"context {contexts[0]} is too short for the retrieval task: {'the BOS, ' if head else ''}needle, "
+            f"question and key take {shortest - MIN_HAYSTACK} tokens and the haystack at least {MIN_HAYSTACK}; use a context of at least {shortest}"
         )
     text = text_ids.long()
     n_text = int(text.numel())
@@ -349,7 +363,7 @@ def build_trials(
                 rng = _rng(seed, context, depth, index)
                 key = str(int(rng.integers(10 ** (task.digits - 1), 10**task.digits)))
                 needle, qa, k = _fixed_tokens(tokenizer, task, key)
-                n_hay = context - len(needle) - len(qa)
+                n_hay = context - len(head) - len(needle) - len(qa)
                 if n_hay < 1:  # this key tokenized longer than the one min_context measured
                     raise ValueError(
                         f"context {context} leaves no haystack for key {key!r} (needle and question take "
@@ -364,12 +378,13 @@ def build_trials(
                 hay = text[offset : offset + n_hay].tolist()
                 at = _snap(tokenizer, hay, round(depth * n_hay))
                 rest = (_separator(tokenizer, hay, at, needle) + hay[at:])[: n_hay - at]
-                ids = torch.tensor(hay[:at] + needle + rest + qa, dtype=torch.long)
+                ids = torch.tensor(head + hay[:at] + needle + rest + qa, dtype=torch.long)
                 assert ids.numel() == context  # internal: lengths were computed to fit
-                doc_len = n_hay + len(needle)
+                doc_len = len(head) + n_hay + len(needle)
                 out.append(Trial(
                     context=context, depth=depth, depth_actual=at / n_hay, index=index, key=key, offset=offset,
-                    needle_at=at, needle_len=len(needle), doc_len=doc_len, answer_start=doc_len + k, ids=ids,
+                    needle_at=len(head) + at, needle_len=len(needle), doc_len=doc_len, answer_start=doc_len + k,
+                    ids=ids, bos=bool(head),
                 ))  # fmt: skip
     return out
 

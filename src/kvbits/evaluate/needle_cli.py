@@ -8,6 +8,7 @@ from typing import Any
 
 from kvbits._argtypes import (
     FUSED_DECODE,
+    add_bos_arg,
     add_calibration_arg,
     add_dtype_device,
     add_model_data_args,
@@ -37,7 +38,7 @@ the key: it is retrieved when every key token is the argmax (exactly when greedy
 key). --semantics prefill (default): the document is prefilled in full precision and stored in each
 scheme's real cache, the question and key are decoded token by token over it; decode: every token
 attends over the quantized history (the one-pass simulator, kvbits eval's semantics).
---json prints the summary: {"version", "task", "model", "data", "semantics", "dtype", "contexts", "depths",
+--json prints the summary: {"version", "task", "model", "data", "bos", "semantics", "dtype", "contexts", "depths",
 "trials", "seed", "fingerprint", "reference": {"retrieved", "nll", "grid", "by_context"}, "results":
 [{"scheme", "avg_bits", "retrieved", "kept", "gained", "token_acc", "nll", "delta_nll", "kl",
 "by_context": [{"context", "trials", "retrieved", "retrieved_ref", "nll", "nll_ref", "kl",
@@ -120,6 +121,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="question text ending with {key} (default 'What is the pass key? The pass key is {key}')",
     )
     add_seed_arg(p, "seed of the keys and haystack offsets")
+    add_bos_arg(p, note=" (each trial: the BOS, then the haystack one token shorter; needle.json's \"bos\" says what "
+                "ran, and runs with and without a BOS do not merge)")
     p.add_argument(
         "--chunk-size", type=_positive, default=256,
         help="queries per simulated attention chunk (default 256; --semantics decode only, another value with "
@@ -160,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             semantics=args.semantics, calibration=args.calibration,
             fused_decode=FUSED_DECODE[args.fused_decode], data_path=args.data_path,
             dtype=args.dtype, device=args.device, chunk_size=args.chunk_size, seed=args.seed,
-            progress=not (args.no_progress or args.json),
+            progress=not (args.no_progress or args.json), bos=args.bos,
         )  # fmt: skip
     from kvbits.report.needle import write_needle
 

@@ -306,6 +306,7 @@ def needle_eval(
     chunk_size: int = _DEFAULT_CHUNK,
     seed: int = 0,
     progress: bool = False,
+    bos: str = "auto",
 ) -> dict[str, Any]:
     """Passkey retrieval of each scheme and of the unquantized model, by context length and depth.
 
@@ -331,9 +332,14 @@ def needle_eval(
             ``semantics="prefill"`` is refused).
         seed: keys and haystack offsets, an int in ``[0, 2**32 - 1]``.
         progress: a progress bar on stderr.
+        bos: ``"auto"`` (each trial starts with the tokenizer's BOS where ``tokenizer(text)`` adds one: Llama,
+            Mistral, Gemma; SmolLM2 and Qwen2.5 add none), ``"always"`` or ``"never"``, as ``evaluate`` takes it: the
+            BOS, then a haystack one token shorter. The summary's ``"bos"`` says what ran (``"always"`` / ``"never"``;
+            a record without it: ``"never"``), and the tokens fingerprint names the BOS (``+bos<id>``), so runs with
+            and without one do not merge.
 
     Returns:
-        ``{"version", "task", "model", "data", "semantics", "contexts", "depths", "trials", "seed",
+        ``{"version", "task", "model", "data", "bos", "semantics", "contexts", "depths", "trials", "seed",
         "fingerprint": {"model", "tokens"}, "reference": {"retrieved", "nll", "grid", "by_context"},
         "results": [{"scheme", "avg_bits", "retrieved", "kept", "gained", "token_acc", "nll",
         "delta_nll", "kl", "by_context": [...], "grid", "calibration", "seconds", "decode"}],
@@ -347,7 +353,7 @@ def needle_eval(
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
     from kvbits.evaluate.calib_text import needle_text_record, warn_calibrated_on_eval_text
-    from kvbits.evaluate.data import check_tokenized, token_fingerprint, tokenize
+    from kvbits.evaluate.data import BOS_MODES, check_tokenized, resolve_bos, token_fingerprint, tokenize
     from kvbits.evaluate.inputs import (
         _check_before_loading,
         _data_arg,
@@ -375,6 +381,8 @@ def needle_eval(
     _check_args(semantics, resolved, fused_decode, trials, chunk_size)
     chunk_size = int(chunk_size)
     seed = check_seed(seed)  # before the model loads; build_trials would refuse it only after
+    if bos not in BOS_MODES:
+        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
     fused_mode = check_mode(fused_decode)
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
@@ -390,6 +398,7 @@ def needle_eval(
             "LoadedModel (kvbits.evaluate.models.load_model) with one, not a bare transformers module or a "
             "model folder without tokenizer files"
         )
+    bos_id = resolve_bos(tokenizer, bos)
     check_context_fits(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
     if semantics == "prefill":
@@ -399,7 +408,7 @@ def needle_eval(
     check_schemes_fit(resolved, model.config)
     text_ids = tokenize(text, tokenizer)
     check_tokenized(text_ids, tokenizer, model, f"the haystack {text.name!r}")
-    trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed)
+    trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed, bos_id=bos_id)
     for t in trial_list:  # the needle, question and key are tokenized too; on the host, before any forward
         check_tokenized(t.ids, tokenizer, model, f"trial {t.index} (context {t.context}, depth {t.depth:g})")
     head = LogitHead.from_model(model)
@@ -407,7 +416,7 @@ def needle_eval(
         model, base_model(model), head, trial_list[0].ids[None, :64].to(next(model.parameters()).device)
     )
     # a calibration fitted on the haystack's text flatters its scheme's NLL and KL: said once before the run, recorded
-    spans = [(t.offset, t.doc_len - t.needle_len) for t in trial_list]
+    spans = [(t.offset, t.haystack_len) for t in trial_list]
     on_text = needle_text_record(calibrations, text, tokenizer, text_ids, spans)
     for name, rec in on_text.items():
         warn_calibrated_on_eval_text(name, calibrations[name], rec, 0, 0, total=sum(n for _, n in spans),
@@ -458,13 +467,17 @@ def needle_eval(
         "task": task.to_dict(),
         "model": _model_arg(model_spec, model_name),
         "data": _data_arg(os.fspath(data) if isinstance(data, os.PathLike) else data, text.name),
+        "bos": "never" if bos_id is None else "always",
         "semantics": semantics,
         "dtype": _run_dtype(model, dtype_name),
         "contexts": contexts,
         "depths": depths,
         "trials": int(trials),
         "seed": int(seed),
-        "fingerprint": {"model": model_fp, "tokens": token_fingerprint(text, tokenizer)},
+        "fingerprint": {
+            "model": model_fp,
+            "tokens": token_fingerprint(text, tokenizer) + ("" if bos_id is None else f"+bos{bos_id}"),
+        },
         "reference": reference,
         "results": results,
         "records": records,

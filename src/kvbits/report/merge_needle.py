@@ -92,6 +92,11 @@ def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]])
                    "only passkey runs of the same model, text, task, semantics and seed share a report")  # fmt: skip
         check_same(names[0], first, name, s, ("dtype",),  # runs from before session 53 record none
                    "a passkey grid compares schemes on one model as it ran, in one dtype", recorded_only=True)
+        if first.get("bos", "never") != s.get("bos", "never"):  # a record without "bos": raw slices (before --bos)
+            raise ValueError(
+                f"runs differ in their bos: {first.get('bos', 'never')} in {names[0]}, {s.get('bos', 'never')} in "
+                f"{name}: a trial that starts with the BOS is another trial; merge runs with the same --bos"
+            )
         check_fingerprints(names[0], first, name, s, "needle")
 
 
@@ -222,6 +227,7 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
     first = summaries[0]
     return {
         **{k: first[k] for k in ("version", "task", "model", "data", "semantics")},
+        **({"bos": first["bos"]} if "bos" in first else {}),
         **({"dtype": dt} if (dt := next((s["dtype"] for s in summaries if s.get("dtype")), None)) else {}),
         "contexts": contexts,
         "depths": depths,

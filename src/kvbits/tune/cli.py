@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import (
+    add_bos_arg,
     add_dtype_device,
     add_model_data_args,
     add_threads_arg,
@@ -135,6 +136,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "round's mix, to keep the best)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the tune record as JSON")
+    add_bos_arg(p, note=" (every sensitivity, round and check pass; the tune record's meta \"bos\" says what ran, "
+                "and a --calibration cut with another BOS choice is warned about)")
     add_dtype_device(p, DEVICES)
     add_threads_arg(p)
     p.add_argument(
@@ -161,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
             name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
             rounds=args.rounds, progress=bar, calibrations=args.calibration, dtype_bytes=args.dtype_bytes,
-            serve_context=args.serve_context, compare=args.compare,
+            serve_context=args.serve_context, compare=args.compare, bos=args.bos,
         )  # fmt: skip
     if args.out:
         out = Path(args.out)

@@ -75,6 +75,7 @@ def layer_sensitivity(
     progress: bool = False,
     calibrations: Mapping[str, Any] | None = None,
     skip: Collection[int] = (),
+    bos: str = "auto",
 ) -> tuple[list[list[float]], dict[str, Any]]:
     """``(sensitivity (layers, candidates), evaluate's summary)``: the KL with layer ``i`` stored by
     candidate ``c`` and every other layer exact (``EXACT``), decode semantics, simulate mode, for each of
@@ -84,7 +85,7 @@ def layer_sensitivity(
     ``skip``: layers that store no K/V (``LayerShape.attention == "none"``: a hybrid model's convolution or
     state-space layers), whose scheme changes nothing: no probe, a row of 0.0. ``n_layers`` must be the model's
     layer count (``ValueError`` otherwise, before any pass: a smaller one returned a table missing the last
-    layers)."""
+    layers). ``bos``: the windows' BOS, as ``evaluate`` takes it."""
     from kvbits.evaluate.runner import evaluate
 
     loaded = {"dtype": dtype, "device": device}
@@ -99,7 +100,7 @@ def layer_sensitivity(
     schemes = list(probes.values())
     summary = evaluate(
         model, data, context, schemes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
-        device=device, progress=progress, calibration=_composed(schemes, calibrations),
+        device=device, progress=progress, calibration=_composed(schemes, calibrations), bos=bos,
         on_pass=_layer_progress(layer_of, n_layers, "sensitivity"), progress_label="kvbits tune",
     )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
@@ -164,7 +165,7 @@ def marginal_sensitivity(
     KL of the current mix (layer ``i`` by ``candidates[pick[i]]``) with layer ``i`` switched to ``c``, minus
     the current mix's KL, shifted per layer so its least entry is 0 (one candidate per layer is chosen, so a
     per-layer constant changes no choice). ``run``: ``evaluate``'s ``windows``, ``data_path``, ``dtype``,
-    ``device``, ``progress``; ``calibrations``: candidate name -> artifact, and ``skip`` (layers without K/V:
+    ``device``, ``progress``, ``bos``; ``calibrations``: candidate name -> artifact, and ``skip`` (layers without K/V:
     no probe, a row of 0.0), as ``layer_sensitivity``. ``pick``: ``(layers,)`` the current mix's candidate index
     per layer, each in ``0..len(candidates) - 1``, one per model layer (``ValueError`` otherwise, before any
     pass)."""

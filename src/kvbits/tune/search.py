@@ -172,6 +172,7 @@ def tune(
     dtype_bytes: int | None = None,
     serve_context: int | None = None,
     compare: list[str | KVScheme] | None = None,
+    bos: str = "auto",
 ) -> TuneResult:
     """Measure each layer's sensitivity to each candidate, choose a mix within ``budget_bits`` average
     bits, and (``check``) measure the mix and the uniform candidates on the same windows.
@@ -208,6 +209,10 @@ def tune(
             (``kvquant-3`` against a ``kvquant-4`` / ``kvquant-2`` mix). Recorded in ``TuneResult.compare``; a
             warning says when one within the budget measures a lower KL than the mix. Calibrated ones take their
             artifacts through ``calibrations``, matched as the candidates'.
+        bos: the windows of every pass (sensitivity, rounds, check) start with the tokenizer's BOS: ``"auto"``
+            (where ``tokenizer(text)`` adds one), ``"always"`` or ``"never"``, as ``evaluate`` takes it; ``meta``'s
+            ``"bos"`` says what ran (``"always"`` / ``"never"``), and evaluate warns when a candidate's calibration
+            was cut with another BOS choice.
     """
     import time
 
@@ -226,6 +231,10 @@ def tune(
                              f"{dtype_bytes!r}")  # fmt: skip
         dtype_bytes = int(dtype_bytes)
     _check_budget(budget_bits)
+    from kvbits.evaluate.data import BOS_MODES
+
+    if bos not in BOS_MODES:  # before the model loads
+        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
     name = name or f"tuned-{budget_bits:g}"
     others = _compared(compare, cands, name)
     arts = _candidate_calibrations(cands, calibrations, others)
@@ -255,7 +264,7 @@ def tune(
     # an impossible budget is refused before the sensitivity sweep
     choose_layers_by_bytes([[0.0] * len(cands)] * n_layers, layer_bytes, elements, budget_bits)
     _warn_unconstrained(layer_bytes, elements, budget_bits, priced_at)
-    run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
+    run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress, "bos": bos}
     run["calibrations"] = arts or None
     # a hybrid model's layers without K/V (convolution, state-space) hold no bytes and measure no KL: not probed
     skip = {i for i, layer in enumerate(shape.layers) if layer.attention == "none"}
@@ -302,6 +311,7 @@ def tune(
             "context": context,
             "serve_context": priced_at,
             "windows": summary.get("windows", windows),  # those that ran: fewer than asked when the text is short
+            "bos": summary.get("bos", "never"),
             "layers": n_layers,
             "dtype_bytes": shape.dtype_bytes,
             "fingerprint": summary.get("fingerprint"),
