@@ -243,7 +243,7 @@ def test_tune_prices_the_budget_at_the_serving_context(caplog):
     assert res.avg_bits == plan(model.config, 64, scheme=res.scheme, dtype_bytes=4)["avg_bits"] <= 8.1
     assert plan(model.config, 4096, scheme=res.scheme, dtype_bytes=4)["avg_bits"] > 9.9  # what it holds served
     warned = [r.getMessage() for r in caplog.records if "max context" in r.getMessage()]
-    assert len(warned) == 1 and "9.955 average bits" in warned[0] and "--serve-context" in warned[0], warned
+    assert len(warned) == 1 and "9.955 average bits" in warned[0] and "serve_context=" in warned[0], warned
     caplog.clear()
     with swept, caplog.at_level(logging.WARNING, logger="kvbits.tune"):
         res = tune(model, None, cands, 8.1, context=64, check=False, serve_context=512)
