@@ -30,6 +30,10 @@ class _LazyPackage(types.ModuleType):
             return  # the submodule of the same name: the package attribute is the function it exports
         super().__setattr__(name, value)
 
+    def __dir__(self) -> list[str]:
+        # the exports not imported yet too, as the eager package listed them: tab completion, help(), getmembers
+        return sorted(set(super().__dir__()) | set(self.__dict__.get("_lazy_exports", {})))
+
 
 def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
     """The module ``__getattr__`` of ``package`` that imports ``exports[name]`` (a submodule) for ``name``."""

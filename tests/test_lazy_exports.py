@@ -1,0 +1,40 @@
+"""The stage packages export their names lazily (``kvbits._lazy``): what an eager package gave must still work in a
+fresh interpreter, before any name was used: ``dir()`` / ``help()``, a submodule as an attribute, clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGES = ("analyze", "calibrate", "tune", "report", "monitor", "export")
+
+
+def _fresh(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (no name of a lazy package used yet) and return its last stdout line."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.rstrip("\n").rsplit("\n", 1)[-1]
+
+
+def test_dir_lists_exports_not_used_yet_and_imports_no_torch() -> None:
+    code = (
+        "import importlib, sys\nmissing = []\n"
+        f"for p in {PACKAGES!r}:\n"
+        "    m = importlib.import_module('kvbits.' + p)\n"
+        "    missing += [f'{p}.{n}' for n in m.__all__ if n not in dir(m)]\n"
+        "print(missing, 'torch' in sys.modules)"
+    )
+    assert _fresh(code) == "[] False"
+
+
+def test_help_lists_the_exported_functions_and_classes() -> None:
+    code = (
+        "import pydoc, kvbits.export as m\n"
+        "t = pydoc.render_doc(m, renderer=pydoc.plaintext)\n"
+        "print('export_vllm(' in t, 'class VllmCacheArgs' in t)"
+    )
+    assert _fresh(code) == "True True"
