@@ -38,3 +38,18 @@ def test_help_lists_the_exported_functions_and_classes() -> None:
         "print('export_vllm(' in t, 'class VllmCacheArgs' in t)"
     )
     assert _fresh(code) == "True True"
+
+
+def test_submodules_are_attributes_of_the_imported_package() -> None:
+    """``import kvbits.report`` then ``kvbits.report.render.write_report`` worked when the package imported its
+    submodules eagerly; a misspelled name is still an ``AttributeError`` naming the package."""
+    code = (
+        "import kvbits.report, kvbits.calibrate, kvbits.tune\n"
+        "ok = [kvbits.report.render.write_report is kvbits.report.write_report,\n"
+        "      kvbits.calibrate.artifact.CalibrationArtifact is kvbits.calibrate.CalibrationArtifact,\n"
+        "      kvbits.tune.knapsack.__name__ == 'kvbits.tune.knapsack',\n"
+        "      callable(kvbits.calibrate.calibrate)]\n"
+        "try:\n    kvbits.calibrate.calibrat\nexcept AttributeError as e:\n    ok.append(\"'kvbits.calibrate'\" in str(e))\n"
+        "print(ok)"
+    )
+    assert _fresh(code) == "[True, True, True, True, True]"

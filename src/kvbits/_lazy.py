@@ -44,9 +44,21 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], An
     def __getattr__(name: str) -> Any:
         submodule = exports.get(name)
         if submodule is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            return _submodule(package, name)
         value = getattr(importlib.import_module(f"{package}.{submodule}"), name)
         module.__dict__[name] = value  # bound once: later lookups do not come here
         return value
 
     return __getattr__
+
+
+def _submodule(package: str, name: str) -> types.ModuleType:
+    """``package.name`` as an attribute, imported now: the eager package had imported (and bound) its submodules, so
+    ``import kvbits.report`` then ``kvbits.report.render`` worked; an unknown name is an ``AttributeError``."""
+    if not name.startswith("_"):  # dunder probes (``__wrapped__``, ``__path__`` ...) are never submodules
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{package}.{name}":
+                raise  # the submodule exists but needs a module that is missing: that is the error to see
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
