@@ -3,10 +3,13 @@ fresh interpreter, before any name was used: ``dir()`` / ``help()``, a submodule
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGES = ("analyze", "calibrate", "tune", "report", "monitor", "export")
@@ -53,3 +56,24 @@ def test_submodules_are_attributes_of_the_imported_package() -> None:
         "print(ok)"
     )
     assert _fresh(code) == "[True, True, True, True, True]"
+
+
+def test_an_attribute_error_inside_a_lazy_submodule_is_not_read_as_a_missing_name(tmp_path: Path) -> None:
+    """An ``AttributeError`` raised while the defining submodule is imported made ``hasattr`` False and ``from pkg
+    import f`` an ImportError that named neither the submodule nor the cause: it is now an ImportError that does."""
+    (tmp_path / "lzpkg").mkdir()
+    (tmp_path / "lzpkg" / "__init__.py").write_text(
+        "from kvbits._lazy import lazy_exports\n__getattr__ = lazy_exports(__name__, {'f': 'mod'})\n"
+    )
+    (tmp_path / "lzpkg" / "mod.py").write_text("import os\nX = os.no_such_thing\ndef f(): pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        lzpkg = importlib.import_module("lzpkg")
+        with pytest.raises(ImportError, match=r"lzpkg\.mod .*no_such_thing"):
+            hasattr(lzpkg, "f")
+        with pytest.raises(ImportError, match=r"lzpkg\.mod .*no_such_thing"):
+            from lzpkg import f  # noqa: F401
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("lzpkg", "lzpkg.mod"):
+            sys.modules.pop(name, None)

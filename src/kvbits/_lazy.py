@@ -45,7 +45,13 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], An
         submodule = exports.get(name)
         if submodule is None:
             return _submodule(package, name)
-        value = getattr(importlib.import_module(f"{package}.{submodule}"), name)
+        try:
+            defining = importlib.import_module(f"{package}.{submodule}")
+        except AttributeError as error:
+            # raised inside the submodule: out of a module __getattr__ it would read as "no such name" (hasattr
+            # False, `from package import name` an ImportError without its cause), so it is re-raised as what it is
+            raise ImportError(f"importing {package}.{submodule} (for {package}.{name}) failed: {error}") from error
+        value = getattr(defining, name)
         module.__dict__[name] = value  # bound once: later lookups do not come here
         return value
 
