@@ -3,6 +3,7 @@
 
 A package calls ``__getattr__ = lazy_exports(__name__, {"calibrate": "calibrate", ...})`` (public name -> the
 submodule defining it); a name is imported on its first use (PEP 562) and then bound like an eager import.
+``dir()`` lists the exports not used yet, and any other submodule is imported as an attribute (``kvbits.report.render``).
 A submodule named like a function it exports (``kvbits.calibrate.calibrate``, ``kvbits.monitor.watch``,
 ``kvbits.report.verdict``) never binds over that name when imported: the package attribute stays the function, as it
 was when the package imported it eagerly (the module stays in ``sys.modules`` under its full name).
