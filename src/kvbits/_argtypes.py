@@ -336,6 +336,33 @@ def add_summary_output_args(parser: argparse.ArgumentParser, command: str) -> No
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
 
 
+PEER_NAMES = ("hf-quanto-int4", "hf-quanto-int2")
+"""The names of ``kvbits.evaluate.stream.PEER_SCHEMES`` (transformers' ``QuantizedCache`` peers), without importing
+that module (torch): the names ``check_scheme_args`` lets through to the command that resolves them."""
+
+
+def check_scheme_args(specs: Any, *, peers: bool = False) -> None:
+    """``get_scheme`` of each string in ``specs`` (the ``--scheme`` / ``--candidates`` / ``--compare`` values; None:
+    nothing), before a command imports torch: an unknown preset name (with the did-you-mean hint), a scheme JSON that
+    does not exist or does not parse, a mixed string of an unknown preset are refused in ~0.2 s, not after 4-8 s of
+    imports. The command resolves the schemes again, as before; with ``peers``, a peer name (``PEER_NAMES``) is left
+    to it and a refusal lists the peers as ``resolve_scheme``'s does; without, a peer is left to the command too (its
+    own message says what a peer is and why it is refused)."""
+    if specs is None:
+        return
+    from kvbits.schemes import get_scheme  # torch-free
+
+    for spec in [specs] if isinstance(specs, str) else specs:
+        if not isinstance(spec, str) or spec in PEER_NAMES:
+            continue
+        try:
+            get_scheme(spec)
+        except ValueError as exc:
+            if not peers:
+                raise
+            raise ValueError(f"{exc}; peers (stream mode only): {', '.join(PEER_NAMES)}") from None
+
+
 def check_overwrite_has_out(args: argparse.Namespace) -> None:
     """``ValueError`` for ``--overwrite`` without ``--out``: it governs what the run writes into ``--out``, and with no
     ``--out`` nothing is written, so the flag would be accepted and ignored (a run the user meant to save, shown and

@@ -21,6 +21,7 @@ from kvbits._argtypes import (
     apply_threads,
     bounded,
     check_overwrite_has_out,
+    check_scheme_args,
     on_device,
 )
 from kvbits._json import dumps
@@ -195,6 +196,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_scheme_args(args.scheme, peers=True)  # torch-free: a misspelled name is refused in ~0.2 s, not after the imports
     from kvbits.evaluate.runner import evaluate
 
     if args.prompt_len is not None and args.semantics != "prefill":

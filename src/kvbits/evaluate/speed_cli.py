@@ -18,6 +18,7 @@ from kvbits._argtypes import (
     apply_threads,
     bounded,
     check_overwrite_has_out,
+    check_scheme_args,
     emit_summary,
     on_device,
 )
@@ -139,6 +140,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_scheme_args(args.scheme, peers=True)  # torch-free: a misspelled name is refused in ~0.2 s, not after the imports
     from kvbits.evaluate.request import check_device
     from kvbits.evaluate.speed import speed_eval
 

@@ -16,6 +16,7 @@ from kvbits._argtypes import (
     apply_threads,
     bounded,
     check_output_path,
+    check_scheme_args,
     on_device,
 )
 from kvbits.evaluate.data import DATA_PATH_HELP
@@ -168,6 +169,7 @@ def _check_policy_applies(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_scheme_args(args.scheme, peers=True)  # torch-free: a misspelled name is refused in ~0.2 s, not after the imports
     from kvbits.monitor.policy import FallbackPolicy
     from kvbits.monitor.watch import watch
 
