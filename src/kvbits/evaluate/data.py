@@ -38,6 +38,7 @@ __all__ = [
     "TEXTS",
     "TextEntry",
     "TextSource",
+    "check_bos",
     "data_search_path",
     "load_text",
     "make_windows",
@@ -456,6 +457,19 @@ def _save_token_cache(path: Path, ids: torch.Tensor, text_source: TextSource, to
 
 
 BOS_MODES = ("auto", "always", "never")
+
+
+def check_bos(mode: Any, model: Any = None) -> str:
+    """Check a command's ``bos`` before its model loads, as every command that takes ``--bos`` does: ``mode`` one of
+    ``BOS_MODES`` (``ValueError`` otherwise); with ``"always"`` and a ``model`` that already carries its tokenizer (a
+    ``LoadedModel``: the tokenizer is had without loading weights), a tokenizer without a BOS is refused here, not
+    once the model has loaded (``resolve_bos``'s message). Returns ``mode``."""
+    if not isinstance(mode, str) or mode not in BOS_MODES:
+        raise ValueError(f"bos must be one of {BOS_MODES}, got {mode!r}")
+    tokenizer = getattr(model, "tokenizer", None) if model is not None and not isinstance(model, str) else None
+    if mode == "always" and tokenizer is not None:
+        resolve_bos(tokenizer, "always")
+    return mode
 
 
 def resolve_bos(tokenizer: Any, mode: str = "auto") -> int | None:
