@@ -320,3 +320,39 @@ def test_every_command_checks_its_bos_before_the_model_loads(tmp_path, monkeypat
     for run in runs:
         with pytest.raises(ValueError, match="bos='always' needs a tokenizer with a BOS"):
             run()
+
+
+def test_the_run_header_and_report_name_the_bos_token(tmp_path):
+    """The eval header said "each starting with the BOS token" without naming it (SmolLM2-Instruct's BOS is the chat
+    marker <|im_start|>); now summary.json records ``bos_token`` / ``bos_token_id`` beside ``"bos"`` (with a BOS
+    only) and the header and the report's Context line name them; a record without them renders as before."""
+    import io
+
+    from rich.console import Console
+
+    from kvbits.evaluate import evaluate
+    from kvbits.report.document import build_document
+    from kvbits.report.summary import RunSummary
+    from kvbits.report.tables import print_summary
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    lm = _bos_model()
+    tok = lm.tokenizer.bos_token
+    s = evaluate(lm, text, 16, ["int4-token"], windows=1)
+    assert (s["bos_token"], s["bos_token_id"]) == (tok, 0)
+    assert "bos_token" not in evaluate(lm, text, 16, ["int4-token"], windows=1, bos="never")
+
+    def header(summary) -> str:
+        buf = io.StringIO()
+        print_summary(summary, console=Console(file=buf, width=400, color_system=None))
+        return buf.getvalue().splitlines()[0]
+
+    def context_line(summary) -> str:
+        blocks = build_document(RunSummary.coerce(summary), {}, {}, {}, "", 0.05, tmp_path, True)
+        return next(line for line in map(repr, blocks) if "tokens per window" in line)
+
+    assert f"each starting with the BOS token {tok} (id 0)" in header(s)
+    assert f"the BOS token `{tok}` (id 0) and the next" in context_line(s)
+    old = {k: v for k, v in s.items() if k not in ("bos_token", "bos_token_id")}
+    assert "each starting with the BOS token;" in header(old)
+    assert "(each the BOS token and the next" in context_line(old)

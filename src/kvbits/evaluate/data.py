@@ -472,6 +472,22 @@ def check_bos(mode: Any, model: Any = None) -> str:
     return mode
 
 
+def bos_token_text(tokenizer: Any, bos_id: int | None) -> str | None:
+    """The text of the BOS ``bos_id`` (``"<|im_start|>"`` for SmolLM2-Instruct, ``"<s>"`` for Llama 2): the
+    tokenizer's ``bos_token`` where its id is ``bos_id``, else ``convert_ids_to_tokens``; None without a BOS or a
+    tokenizer, or where neither gives a string."""
+    if bos_id is None or tokenizer is None:
+        return None
+    text = getattr(tokenizer, "bos_token", None)
+    if isinstance(text, str) and getattr(tokenizer, "bos_token_id", None) == bos_id:
+        return text
+    try:
+        text = tokenizer.convert_ids_to_tokens(int(bos_id))
+    except Exception:  # noqa: BLE001 - a tokenizer without the method or the id: the token's text is not known
+        return None
+    return text if isinstance(text, str) else None
+
+
 def resolve_bos(tokenizer: Any, mode: str = "auto") -> int | None:
     """The id every evaluation window starts with, or None for raw slices of the text.
 
