@@ -281,3 +281,78 @@ def test_tune_passes_its_bos_to_every_pass_and_records_it(tmp_path, monkeypatch)
     args = build_parser().parse_args(["tune", "--model", "m", "--data", "t", "--candidates", "int2-token", "--candidates",
                                       "int8-token", "--budget-bits", "6", "--bos", "never"])  # fmt: skip
     assert args.bos == "never"
+
+
+def test_every_command_checks_its_bos_before_the_model_loads(tmp_path, monkeypatch):
+    """``calibrate`` refused a bad ``bos`` only once the weights had loaded (``_windows``), and ``"always"`` with a
+    tokenizer that has no BOS was refused by every command only after its model load, though a ``LoadedModel``
+    carries its tokenizer; now ``check_bos`` refuses both first, before any model load (here: a load that raises)."""
+    import importlib
+
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate import evaluate, inputs, runner
+    from kvbits.evaluate.needle_run import needle_eval
+    from kvbits.evaluate.speed import speed_eval
+    from kvbits.monitor import watch
+    from kvbits.tune import tune
+
+    def loads(*a, **k):
+        raise AssertionError("the model loaded before the bos was checked")
+
+    cal_mod = importlib.import_module("kvbits.calibrate.calibrate")
+    for mod, name in ((inputs, "_load_checked_model"), (runner, "_load_checked_model"), (inputs, "_load_model"),
+                      (cal_mod, "_resolve_model")):  # fmt: skip
+        monkeypatch.setattr(mod, name, loads)
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    with pytest.raises(ValueError, match="bos must be one of"):
+        calibrate(str(tmp_path / "no-such-model"), text, "kvquant-4", context=32, windows=2, fisher=False, bos="yes")
+    lm = _bos_model()
+    lm.tokenizer.bos_token = None  # a tokenizer without a BOS token
+    assert lm.tokenizer.bos_token_id is None
+    runs = [
+        lambda: calibrate(lm, text, "kvquant-4", context=32, windows=2, fisher=False, bos="always"),
+        lambda: evaluate(lm, text, 16, ["int4-token"], windows=1, bos="always"),
+        lambda: speed_eval(lm, 32, ["int4-token"], tokens=2, warmup=1, data=text, bos="always"),
+        lambda: needle_eval(lm, [64], ["int4-token"], data=text, bos="always"),
+        lambda: watch(lm, text, 24, "int4-token", bos="always"),
+        lambda: tune(lm, text, ["int2-token", "int8-token"], 6.0, context=32, bos="always"),
+    ]
+    for run in runs:
+        with pytest.raises(ValueError, match="bos='always' needs a tokenizer with a BOS"):
+            run()
+
+
+def test_the_run_header_and_report_name_the_bos_token(tmp_path):
+    """The eval header said "each starting with the BOS token" without naming it (SmolLM2-Instruct's BOS is the chat
+    marker <|im_start|>); now summary.json records ``bos_token`` / ``bos_token_id`` beside ``"bos"`` (with a BOS
+    only) and the header and the report's Context line name them; a record without them renders as before."""
+    import io
+
+    from rich.console import Console
+
+    from kvbits.evaluate import evaluate
+    from kvbits.report.document import build_document
+    from kvbits.report.summary import RunSummary
+    from kvbits.report.tables import print_summary
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    lm = _bos_model()
+    tok = lm.tokenizer.bos_token
+    s = evaluate(lm, text, 16, ["int4-token"], windows=1)
+    assert (s["bos_token"], s["bos_token_id"]) == (tok, 0)
+    assert "bos_token" not in evaluate(lm, text, 16, ["int4-token"], windows=1, bos="never")
+
+    def header(summary) -> str:
+        buf = io.StringIO()
+        print_summary(summary, console=Console(file=buf, width=400, color_system=None))
+        return buf.getvalue().splitlines()[0]
+
+    def context_line(summary) -> str:
+        blocks = build_document(RunSummary.coerce(summary), {}, {}, {}, "", 0.05, tmp_path, True)
+        return next(line for line in map(repr, blocks) if "tokens per window" in line)
+
+    assert f"each starting with the BOS token {tok} (id 0)" in header(s)
+    assert f"the BOS token `{tok}` (id 0) and the next" in context_line(s)
+    old = {k: v for k, v in s.items() if k not in ("bos_token", "bos_token_id")}
+    assert "each starting with the BOS token;" in header(old)
+    assert "(each the BOS token and the next" in context_line(old)

@@ -450,6 +450,7 @@ def collect_samples(
     first forward pass when it quantizes keys before RoPE on a model that rotates none
     (``kvbits.plan.planner.check_pre_rope_config``: Zamba2 without ``use_mem_rope``, Zamba, Falcon ``alibi=True``).
     """
+    from kvbits.evaluate.data import check_bos
     from kvbits.evaluate.request import _resolve_dtype, check_device
 
     t0 = time.perf_counter()
@@ -457,6 +458,7 @@ def collect_samples(
     seed = check_seed(seed)
     torch_dtype, _ = _resolve_dtype(dtype)
     check_device(device, DEVICES)  # before the model loads
+    check_bos(bos, model)  # a bad bos was refused only once the weights had loaded (in _windows)
     module, tokenizer, fingerprint, name = _resolve_model(model, torch_dtype, device)
     if scheme is not None:
         from kvbits.plan.planner import check_pre_rope_config

@@ -39,7 +39,7 @@ examples:
   kvbits eval --model smollm2-135m --data wikitext2 --context 512 --scheme kivi-4 \\
       --scheme hf-quanto-int4 --mode stream --json
 
---json prints exactly: {"model", "data", "context", "semantics", "mode", "windows", "bos",
+--json prints exactly: {"model", "data", "context", "semantics", "mode", "windows", "bos", "bos_token" and "bos_token_id" (with a BOS only),
 "fingerprint": {"model", "tokens"}, "results": [{"scheme", "avg_bits", "bits_at_context", "ppl", "ppl_ref", "kl",
 "top1", "buckets": [{"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl",
 "top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "attn_entropy": [{"layer",

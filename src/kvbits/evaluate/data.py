@@ -38,6 +38,7 @@ __all__ = [
     "TEXTS",
     "TextEntry",
     "TextSource",
+    "check_bos",
     "data_search_path",
     "load_text",
     "make_windows",
@@ -456,6 +457,35 @@ def _save_token_cache(path: Path, ids: torch.Tensor, text_source: TextSource, to
 
 
 BOS_MODES = ("auto", "always", "never")
+
+
+def check_bos(mode: Any, model: Any = None) -> str:
+    """Check a command's ``bos`` before its model loads, as every command that takes ``--bos`` does: ``mode`` one of
+    ``BOS_MODES`` (``ValueError`` otherwise); with ``"always"`` and a ``model`` that already carries its tokenizer (a
+    ``LoadedModel``: the tokenizer is had without loading weights), a tokenizer without a BOS is refused here, not
+    once the model has loaded (``resolve_bos``'s message). Returns ``mode``."""
+    if not isinstance(mode, str) or mode not in BOS_MODES:
+        raise ValueError(f"bos must be one of {BOS_MODES}, got {mode!r}")
+    tokenizer = getattr(model, "tokenizer", None) if model is not None and not isinstance(model, str) else None
+    if mode == "always" and tokenizer is not None:
+        resolve_bos(tokenizer, "always")
+    return mode
+
+
+def bos_token_text(tokenizer: Any, bos_id: int | None) -> str | None:
+    """The text of the BOS ``bos_id`` (``"<|im_start|>"`` for SmolLM2-Instruct, ``"<s>"`` for Llama 2): the
+    tokenizer's ``bos_token`` where its id is ``bos_id``, else ``convert_ids_to_tokens``; None without a BOS or a
+    tokenizer, or where neither gives a string."""
+    if bos_id is None or tokenizer is None:
+        return None
+    text = getattr(tokenizer, "bos_token", None)
+    if isinstance(text, str) and getattr(tokenizer, "bos_token_id", None) == bos_id:
+        return text
+    try:
+        text = tokenizer.convert_ids_to_tokens(int(bos_id))
+    except Exception:  # noqa: BLE001 - a tokenizer without the method or the id: the token's text is not known
+        return None
+    return text if isinstance(text, str) else None
 
 
 def resolve_bos(tokenizer: Any, mode: str = "auto") -> int | None:

@@ -353,7 +353,7 @@ def needle_eval(
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
     from kvbits.evaluate.calib_text import needle_text_record, warn_calibrated_on_eval_text
-    from kvbits.evaluate.data import BOS_MODES, check_tokenized, resolve_bos, token_fingerprint, tokenize
+    from kvbits.evaluate.data import check_bos, check_tokenized, resolve_bos, token_fingerprint, tokenize
     from kvbits.evaluate.inputs import (
         _check_before_loading,
         _data_arg,
@@ -381,8 +381,7 @@ def needle_eval(
     _check_args(semantics, resolved, fused_decode, trials, chunk_size)
     chunk_size = int(chunk_size)
     seed = check_seed(seed)  # before the model loads; build_trials would refuse it only after
-    if bos not in BOS_MODES:
-        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
+    check_bos(bos, model)
     fused_mode = check_mode(fused_decode)
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)

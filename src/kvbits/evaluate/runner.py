@@ -68,7 +68,7 @@ from kvbits.evaluate.calib_text import (
     warn_calibrated_on_eval_text,
     warn_stored,
 )
-from kvbits.evaluate.data import BOS_MODES, load_text
+from kvbits.evaluate.data import bos_token_text, check_bos, load_text
 from kvbits.evaluate.distributed import kept_cuda_device, resolve_ranks
 from kvbits.evaluate.generation import (
     check_can_generate,
@@ -336,8 +336,7 @@ def evaluate(
         seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
         # simulate() refused a bad one only after the model loaded and the first reference pass ran
         chunk_size = check_int("chunk_size", chunk_size, 1)
-        if bos not in BOS_MODES:
-            raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
+        check_bos(bos, model)
     # a scheme JSON path is read from this rank's own disk: a file missing on one node only would leave the other
     # ranks waiting in the next collective for the collective timeout (24 h under kvbits eval)
     with ranks.agree("reading its scheme files"):
@@ -733,6 +732,8 @@ def evaluate(
         "mode": mode,
         "windows": W,
         "bos": "never" if bos_id is None else "always",
+        # the BOS's text and id, with a BOS only (records without them render as before)
+        **({} if bos_id is None else {"bos_token": bos_token_text(tokenizer, bos_id), "bos_token_id": int(bos_id)}),
         "fingerprint": fingerprint,
         "results": results,
         "reference_seconds": run["reference_seconds"],

@@ -564,7 +564,7 @@ def speed_eval(
     check_model_arg(model, "speed_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
-    from kvbits.evaluate.data import BOS_MODES
+    from kvbits.evaluate.data import check_bos
     from kvbits.evaluate.inputs import (
         _check_before_loading,
         _data_arg,
@@ -587,8 +587,7 @@ def speed_eval(
 
     contexts = check_ints("context", contexts, 1)
     batches = check_ints("batch", batches, 1)
-    if bos not in BOS_MODES:
-        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
+    check_bos(bos, model)
     resolved = resolve_schemes(schemes)
     fused_mode = check_mode(fused_decode)
     from kvbits.kernels import autotune, dispatch

@@ -43,7 +43,7 @@ def watch(
     ``evaluate``'s windows do (the BOS and ``context - 1`` text tokens; ``kvbits.evaluate.data.resolve_bos``).
     """
     from kvbits.calibrate import checked_artifact
-    from kvbits.evaluate.data import BOS_MODES
+    from kvbits.evaluate.data import check_bos
     from kvbits.evaluate.inputs import _check_calibration_models, _load_model, _load_windows
     from kvbits.evaluate.request import _resolve_dtype, check_device
     from kvbits.evaluate.stream import PeerScheme, resolve_scheme, stream_hidden
@@ -51,8 +51,7 @@ def watch(
 
     if not isinstance(context, int) or isinstance(context, bool) or context < 2:
         raise ValueError(f"context must be an int >= 2, got {context!r}")
-    if bos not in BOS_MODES:
-        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
+    check_bos(bos, model)
     resolved = resolve_scheme(scheme)
     if isinstance(resolved, PeerScheme) or resolved.is_identity:
         raise ValueError(

@@ -269,6 +269,8 @@ class RunSummary:
     mode: str = "?"
     windows: int = 0
     bos: str = "never"  # "always": each window started with the tokenizer's BOS (a record without the field: never)
+    bos_token: str | None = None  # the BOS's text ("<|im_start|>"); None where not recorded (runs before it)
+    bos_token_id: int | None = None  # the BOS's id; None where not recorded
     fingerprint: Mapping[str, Any] = field(default_factory=dict)
     results: tuple[SchemeResult, ...] = ()
     reference_seconds: float = math.nan
@@ -281,6 +283,14 @@ class RunSummary:
     merged_ranks: tuple[tuple[tuple[str, ...], int | None], ...] = ()
     # a merged run: each run's own reference-pass seconds (``reference_seconds`` is the first's); () otherwise
     merged_reference_seconds: tuple[float, ...] = ()
+
+    @property
+    def bos_name(self) -> str:
+        """``"the BOS token"``, with its text and id where the record has them (``"the BOS token <|im_start|> (id
+        1)"``): a chat marker such as SmolLM2-Instruct's BOS is worth seeing."""
+        if self.bos_token is None:
+            return "the BOS token"
+        return f"the BOS token {self.bos_token}" + ("" if self.bos_token_id is None else f" (id {self.bos_token_id})")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
@@ -298,6 +308,8 @@ class RunSummary:
             context=int(ctx) if _ok(ctx) else 0, semantics=str(d.get("semantics", "?")),
             mode=str(d.get("mode", "?")), windows=int(win) if _ok(win) else 0,
             bos="always" if d.get("bos") == "always" else "never",
+            bos_token=d["bos_token"] if isinstance(d.get("bos_token"), str) else None,
+            bos_token_id=d["bos_token_id"] if type(d.get("bos_token_id")) is int else None,
             fingerprint=dict(fingerprint or {}),
             results=tuple(SchemeResult.from_dict(r, f"results[{i}]") for i, r in enumerate(results)),
             reference_seconds=_num(d.get("reference_seconds")),

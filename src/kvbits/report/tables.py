@@ -341,7 +341,7 @@ def print_summary(
     console.print(
         f"[bold]{escape(run.model)}[/] on [bold]{escape(run.data)}[/]: context {run.context}, "
         f"{escape(run.semantics)} semantics, {escape(run.mode)} mode, {run.windows} window(s)"
-        + (", each starting with the BOS token" if run.bos == "always" else "")
+        + (f", each starting with {escape(run.bos_name)}" if run.bos == "always" else "")
         + (f"; peak memory {run.peak_memory}" if run.peak_memory else "")
     )
     console.print(bucket_table(run, threshold))

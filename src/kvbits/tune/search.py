@@ -231,10 +231,9 @@ def tune(
                              f"{dtype_bytes!r}")  # fmt: skip
         dtype_bytes = int(dtype_bytes)
     _check_budget(budget_bits)
-    from kvbits.evaluate.data import BOS_MODES
+    from kvbits.evaluate.data import check_bos
 
-    if bos not in BOS_MODES:  # before the model loads
-        raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
+    check_bos(bos, model)  # before the model loads
     name = name or f"tuned-{budget_bits:g}"
     others = _compared(compare, cands, name)
     arts = _candidate_calibrations(cands, calibrations, others)
