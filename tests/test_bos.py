@@ -192,11 +192,17 @@ def test_eval_warns_when_its_calibration_was_cut_with_another_bos(tmp_path, capl
                       bos="never")  # fmt: skip
     with caplog.at_level("WARNING"):
         evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=1, calibration={"kvquant-4": never})
-    assert "fitted on windows with bos never, this evaluation's windows have bos always" in caplog.text
+    # in words, not "windows with bos never, ... have bos always" (the flag's values read as a sentence)
+    assert (
+        "was fitted on windows without a BOS token (raw slices of the text), but this evaluation's windows start "
+        "with the BOS token: the BOS is the attention sink" in caplog.text
+    )
+    assert "(calibrate again with bos='always', or evaluate with bos='never')" in caplog.text
+    assert caplog.text.count("this evaluation's windows") == 1  # once, not per window
     caplog.clear()
     with caplog.at_level("WARNING"):
         evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=1, calibration={"kvquant-4": never}, bos="never")
-    assert "fitted on windows with bos" not in caplog.text
+    assert "this evaluation's windows" not in caplog.text
 
 
 def test_needle_trials_start_with_the_bos_record_it_and_do_not_merge_with_raw_ones(tmp_path):
@@ -281,3 +287,20 @@ def test_tune_passes_its_bos_to_every_pass_and_records_it(tmp_path, monkeypatch)
     args = build_parser().parse_args(["tune", "--model", "m", "--data", "t", "--candidates", "int2-token", "--candidates",
                                       "int8-token", "--budget-bits", "6", "--bos", "never"])  # fmt: skip
     assert args.bos == "never"
+
+
+def test_the_bos_mismatch_warning_names_the_flags_on_the_command_line(caplog):
+    """From ``kvbits eval`` the warning names ``--bos`` (the flags the user types), from Python ``bos=``."""
+    from types import SimpleNamespace
+
+    from kvbits._spelling import cli_spelling
+    from kvbits.evaluate.calib_text import warn_bos_mismatch
+
+    art = SimpleNamespace(path="runs/cal", meta={"data": {"bos": "always"}})
+    with caplog.at_level("WARNING"), cli_spelling():
+        assert warn_bos_mismatch("kvquant-4", art, "never")
+    assert (
+        "kvquant-4's calibration (runs/cal) was fitted on windows that each start with the BOS token, but this "
+        "evaluation's windows have none" in caplog.text
+    )
+    assert "(calibrate again with --bos never, or evaluate with --bos always)" in caplog.text
