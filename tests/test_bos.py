@@ -304,3 +304,17 @@ def test_the_bos_mismatch_warning_names_the_flags_on_the_command_line(caplog):
         "evaluation's windows have none" in caplog.text
     )
     assert "(calibrate again with --bos never, or evaluate with --bos always)" in caplog.text
+
+
+def test_calibrate_summary_says_its_windows_start_with_the_bos(tmp_path, capsys):
+    """``kvbits calibrate --bos always`` printed ``data NAME: 1 x 512 tokens`` as for raw slices: the summary did
+    not say what calibration.json records (``"bos": "always"``), which ``kvbits eval`` then compares with its own."""
+    from kvbits.calibrate import calibrate
+    from kvbits.calibrate.cli import _summary
+
+    text = str(write_sentences(tmp_path / "t.txt", 60))
+    for bos, said in (("always", True), ("never", False)):
+        art = calibrate(_bos_model(), text, "kvquant-4", context=32, windows=2, fisher=False, max_tokens=64, bos=bos)
+        _summary(art)
+        out = capsys.readouterr().out
+        assert ("2 x 32 tokens (each the BOS token and context - 1 text tokens)" in out) is said, out
