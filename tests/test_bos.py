@@ -192,11 +192,17 @@ def test_eval_warns_when_its_calibration_was_cut_with_another_bos(tmp_path, capl
                       bos="never")  # fmt: skip
     with caplog.at_level("WARNING"):
         evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=1, calibration={"kvquant-4": never})
-    assert "fitted on windows with bos never, this evaluation's windows have bos always" in caplog.text
+    # in words, not "windows with bos never, ... have bos always" (the flag's values read as a sentence)
+    assert (
+        "was fitted on windows without a BOS token (raw slices of the text), but this evaluation's windows start "
+        "with the BOS token: the BOS is the attention sink" in caplog.text
+    )
+    assert "(calibrate again with bos='always', or evaluate with bos='never')" in caplog.text
+    assert caplog.text.count("this evaluation's windows") == 1  # once, not per window
     caplog.clear()
     with caplog.at_level("WARNING"):
         evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=1, calibration={"kvquant-4": never}, bos="never")
-    assert "fitted on windows with bos" not in caplog.text
+    assert "this evaluation's windows" not in caplog.text
 
 
 def test_needle_trials_start_with_the_bos_record_it_and_do_not_merge_with_raw_ones(tmp_path):
@@ -356,3 +362,34 @@ def test_the_run_header_and_report_name_the_bos_token(tmp_path):
     old = {k: v for k, v in s.items() if k not in ("bos_token", "bos_token_id")}
     assert "each starting with the BOS token;" in header(old)
     assert "(each the BOS token and the next" in context_line(old)
+
+
+def test_the_bos_mismatch_warning_names_the_flags_on_the_command_line(caplog):
+    """From ``kvbits eval`` the warning names ``--bos`` (the flags the user types), from Python ``bos=``."""
+    from types import SimpleNamespace
+
+    from kvbits._spelling import cli_spelling
+    from kvbits.evaluate.calib_text import warn_bos_mismatch
+
+    art = SimpleNamespace(path="runs/cal", meta={"data": {"bos": "always"}})
+    with caplog.at_level("WARNING"), cli_spelling():
+        assert warn_bos_mismatch("kvquant-4", art, "never")
+    assert (
+        "kvquant-4's calibration (runs/cal) was fitted on windows that each start with the BOS token, but this "
+        "evaluation's windows have none" in caplog.text
+    )
+    assert "(calibrate again with --bos never, or evaluate with --bos always)" in caplog.text
+
+
+def test_calibrate_summary_says_its_windows_start_with_the_bos(tmp_path, capsys):
+    """``kvbits calibrate --bos always`` printed ``data NAME: 1 x 512 tokens`` as for raw slices: the summary did
+    not say what calibration.json records (``"bos": "always"``), which ``kvbits eval`` then compares with its own."""
+    from kvbits.calibrate import calibrate
+    from kvbits.calibrate.cli import _summary
+
+    text = str(write_sentences(tmp_path / "t.txt", 60))
+    for bos, said in (("always", True), ("never", False)):
+        art = calibrate(_bos_model(), text, "kvquant-4", context=32, windows=2, fisher=False, max_tokens=64, bos=bos)
+        _summary(art)
+        out = capsys.readouterr().out
+        assert ("2 x 32 tokens (each the BOS token and context - 1 text tokens)" in out) is said, out

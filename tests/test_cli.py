@@ -969,3 +969,29 @@ def test_a_closed_stdout_ends_quietly_with_141(extra):
     finally:
         os.close(write)
     assert (out.returncode, out.stderr) == (141, "")  # cli.EXIT_BROKEN_PIPE
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "--contxt", "512"],  # required options missing too: argparse named those, not the typo
+        ["-v", "plan", "--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--context", "64", "--contxt", "9"],
+    ],
+)
+def test_a_mistyped_flag_is_named_by_its_command_with_the_near_one(capsys, argv):
+    """``kvbits eval --contxt 512`` answered "the following arguments are required: --model, --data, --scheme"
+    (the typo not named), and with the required options given, ``kvbits: error: unrecognized arguments: --contxt
+    512`` under ``kvbits``' usage rather than the command's; now the command names the flag and the near one."""
+    command = next(t for t in argv if not t.startswith("-"))
+    if command not in _subcommands():
+        pytest.skip(f"no {command} subcommand")
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert f"kvbits {command}: error: unrecognized argument --contxt (did you mean --context?)" in err, err
+
+
+def test_an_abbreviated_flag_still_parses():
+    """The check for unknown flags accepts what argparse accepts: a unique prefix (``--kv-head``), ``--x=v``."""
+    assert main(["plan", "--layers=2", "--kv-head", "1", "--head-dim", "64", "--context", "64", "--json"]) == 0

@@ -15,6 +15,7 @@ on stdout; logs and errors go to stderr).
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
@@ -624,8 +625,36 @@ def _stdout_to_devnull() -> None:
         os.close(devnull)
 
 
+def _unknown_option(sub: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """The first ``--flag`` in ``argv`` (the tokens after the command) that ``sub`` does not define, nor
+    abbreviates, with a ``did you mean`` for a near one; None when every option is known.
+
+    argparse reported such a typo only after the required options (``kvbits eval --contxt 5``: "the following
+    arguments are required: --model, --data, --scheme", the typo not named), and then from the top-level parser
+    (``kvbits: error: unrecognized arguments``, with ``kvbits``'s usage instead of the command's).
+    """
+    known = [o for o in sub._option_string_actions if o.startswith("--")]
+    for token in argv:
+        if token == "--":
+            break
+        if not token.startswith("--") or len(token) < 3 or " " in token:  # argparse: a positional or a value
+            continue
+        name = token.split("=", 1)[0]
+        if name in known or (sub.allow_abbrev and any(o.startswith(name) for o in known)):
+            continue
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        return f"unrecognized argument {name}" + (f" (did you mean {near[0]}?)" if near else "")
+    return None
+
+
 def _main(argv: list[str]) -> int:
-    parser = build_parser(only=requested_command(argv))
+    command = requested_command(argv)
+    parser = build_parser(only=command)
+    sub = parser._subparsers._group_actions[0].choices.get(command) if parser._subparsers and command else None
+    if isinstance(sub, argparse.ArgumentParser):
+        unknown = _unknown_option(sub, argv[argv.index(command) + 1 :])
+        if unknown is not None:
+            sub.error(unknown)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     if getattr(args, "no_progress", False) or getattr(args, "json", False) or not sys.stderr.isatty():

@@ -117,7 +117,8 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
     console.print(f"[bold]calibration written to[/bold] {art.path}")
     console.print(
         f"scheme {art.scheme.name} | model {m.get('name') or m['model_type']} (fingerprint {m['fingerprint']}) | "
-        f"data {d['name']}: {d['windows']} x {d['context']} tokens | percentile {art.meta['percentile']} | "
+        f"data {d['name']}: {d['windows']} x {d['context']} tokens"
+        f"{' (each the BOS token and context - 1 text tokens)' if d.get('bos') == 'always' else ''} | percentile {art.meta['percentile']} | "
         f"Fisher {'on' if art.meta['fisher'] else 'off'} | "
         f"{'smoothing factors tied over RoPE pairs | ' if art.meta.get('tie_rope_pairs') else ''}"
         f"{art.meta.get('dtype', '?')} on "

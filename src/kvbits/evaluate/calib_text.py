@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from kvbits._spelling import spell
+
 logger = logging.getLogger(__name__)
 
 __all__: list[str] = []
@@ -301,11 +303,17 @@ def warn_bos_mismatch(scheme: str, artifact: Any, bos: str) -> bool:
     if cal == [bos]:
         return False
     where = "" if getattr(artifact, "path", None) is None else f" ({artifact.path})"
+    fitted = {  # in words: "bos always" read as a setting's value, not as what the windows held
+        ("always",): "windows that each start with the BOS token",
+        ("never",): "windows without a BOS token (raw slices of the text)",
+    }.get(tuple(cal), "windows some of which start with the BOS token")
+    served = "start with the BOS token" if bos == "always" else "have none"
+    again, other = spell(f"bos={bos!r}", f"--bos {bos}"), spell(f"bos={cal[0]!r}", f"--bos {cal[0]}")
     logger.warning(
-        "%s's calibration%s was fitted on windows with bos %s, this evaluation's windows have bos %s: its scales saw "
-        "other K/V at the first positions than those served (calibrate with kvbits calibrate --bos %s, or evaluate "
-        "with --bos %s)",
-        scheme, where, "/".join(cal), bos, bos, cal[0],
+        "%s's calibration%s was fitted on %s, but this evaluation's windows %s: the BOS is the attention sink, so "
+        "its scales saw other keys and values at the first positions than those served (calibrate again with %s, "
+        "or evaluate with %s)",
+        scheme, where, fitted, served, again, other,
     )  # fmt: skip
     return True
 
