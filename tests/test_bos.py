@@ -414,3 +414,35 @@ def test_needle_names_the_bos_token_in_needle_json_its_report_its_table_and_a_me
     out = capsys.readouterr().out
     assert out.count(f"each starting with the BOS token `{tok}` (id 0)") == 1
 
+
+def test_monitor_records_its_bos_in_the_snapshot_and_as_an_info_gauge(tmp_path, capsys):
+    """``kvbits monitor --bos`` changed what the cache saw (the BOS at position 0: the attention sink whose K/V the
+    first block quantizes) but neither its snapshot (--json) nor its Prometheus text said which. Now the snapshot
+    has ``"run": {"bos", "bos_token", "bos_token_id"}`` (the token with a BOS only), the exposition the info gauge
+    ``kvbits_run_info{scheme, bos} 1``, every other family's name and labels as before, and the printed summary
+    names the token."""
+    from test_monitor import parse
+
+    from kvbits.monitor.cli import _print
+    from kvbits.monitor.watch import watch
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    lm = _bos_model()
+    tok = lm.tokenizer.bos_token
+    auto = watch(lm, text, 24, "int4-token", labels={"pod": "a"})
+    never = watch(lm, text, 24, "int4-token", labels={"pod": "a"}, bos="never")
+    assert auto.snapshot()["run"] == {"bos": "always", "bos_token": tok, "bos_token_id": 0}
+    assert never.snapshot()["run"] == {"bos": "never"}
+    m, n = parse(auto.prometheus()), parse(never.prometheus())
+    assert m["kvbits_run_info"] == [({"scheme": "int4-token", "pod": "a", "bos": "always"}, 1.0)]
+    assert n["kvbits_run_info"] == [({"scheme": "int4-token", "pod": "a", "bos": "never"}, 1.0)]
+    for name, samples in m.items():  # no other series carries bos
+        assert name == "kvbits_run_info" or all("bos" not in lab for lab, _ in samples)
+    _print(auto.snapshot())
+    _print(never.snapshot())
+    out = capsys.readouterr().out
+    assert out.count(f"the tokens started with the BOS token `{tok}` (id 0)") == 1
+    with pytest.raises(ValueError, match="--label"):
+        from kvbits.monitor.cli import _labels
+
+        _labels(["bos=x"])
