@@ -393,3 +393,93 @@ def test_calibrate_summary_says_its_windows_start_with_the_bos(tmp_path, capsys)
         _summary(art)
         out = capsys.readouterr().out
         assert ("2 x 32 tokens (each the BOS token and context - 1 text tokens)" in out) is said, out
+
+
+def test_speed_names_the_bos_token_in_speed_json_its_report_and_a_merge(tmp_path):
+    """speed.json said only ``"bos": "always"`` and its report never said the prompts start with a BOS at all (nor
+    which: SmolLM2-Instruct's is the chat marker <|im_start|>), and a merge dropped ``"bos"`` and mixed runs with
+    and without one. Now speed.json records ``bos_token`` / ``bos_token_id`` with a BOS only, the report's Prompts
+    line names them (a run without a BOS renders as before), a merge keeps them and refuses another ``bos``."""
+    from kvbits.evaluate.speed import speed_eval
+    from kvbits.report.merge_speed import merge_speed
+    from kvbits.report.speed import speed_markdown
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    lm = _bos_model()
+    tok = lm.tokenizer.bos_token
+    auto = speed_eval(lm, 16, ["int4-token"], tokens=2, warmup=1, data=text)
+    longer = speed_eval(lm, 24, ["int4-token"], tokens=2, warmup=1, data=text)
+    never = speed_eval(lm, 24, ["int4-token"], tokens=2, warmup=1, data=text, bos="never")
+    assert (auto["bos_token"], auto["bos_token_id"]) == (tok, 0)
+    assert "bos_token" not in never and "bos_token_id" not in never
+    said = f"each prompt starts with the BOS token `{tok}` (id 0)"
+    assert said in speed_markdown(auto, figure=False)
+    assert "BOS" not in speed_markdown(never, figure=False)
+    merged = merge_speed([auto, longer])
+    assert (merged["bos"], merged["bos_token"], merged["bos_token_id"]) == ("always", tok, 0)
+    assert said in speed_markdown(merged, figure=False)
+    with pytest.raises(ValueError, match="differ in their bos"):
+        merge_speed([auto, never])
+
+
+def test_needle_names_the_bos_token_in_needle_json_its_report_its_table_and_a_merge(tmp_path, capsys):
+    """needle.json said only ``"bos": "always"`` and neither its report nor its printed table said the trials
+    start with a BOS (nor which). Now needle.json records ``bos_token`` / ``bos_token_id`` with a BOS only, the
+    report's Haystack line and the printed summary name them (a run without a BOS renders as before), and a merge
+    keeps them."""
+    from kvbits.evaluate.needle_cli import _print
+    from kvbits.evaluate.needle_run import needle_eval
+    from kvbits.report.merge_needle import merge_needle
+    from kvbits.report.needle import needle_markdown
+
+    text = str(write_sentences(tmp_path / "t.txt", 80))
+    lm = _bos_model()
+    tok = lm.tokenizer.bos_token
+    auto = needle_eval(lm, 200, ["int4-token"], data=text, depths=[0.5])
+    longer = needle_eval(lm, 240, ["int4-token"], data=text, depths=[0.5])
+    never = needle_eval(lm, 200, ["int4-token"], data=text, depths=[0.5], bos="never")
+    assert (auto["bos_token"], auto["bos_token_id"]) == (tok, 0)
+    assert "bos_token" not in never and "bos_token_id" not in never
+    said = f"each trial starts with the BOS token `{tok}` (id 0)"
+    assert said in needle_markdown(auto, figure=False)
+    assert "BOS" not in needle_markdown(never, figure=False)
+    merged = merge_needle([auto, longer])
+    assert (merged["bos"], merged["bos_token"], merged["bos_token_id"]) == ("always", tok, 0)
+    assert said in needle_markdown(merged, figure=False)
+    _print(auto, None)
+    _print(never, None)
+    out = capsys.readouterr().out
+    assert out.count(f"each starting with the BOS token `{tok}` (id 0)") == 1
+
+
+def test_monitor_records_its_bos_in_the_snapshot_and_as_an_info_gauge(tmp_path, capsys):
+    """``kvbits monitor --bos`` changed what the cache saw (the BOS at position 0: the attention sink whose K/V the
+    first block quantizes) but neither its snapshot (--json) nor its Prometheus text said which. Now the snapshot
+    has ``"run": {"bos", "bos_token", "bos_token_id"}`` (the token with a BOS only), the exposition the info gauge
+    ``kvbits_run_info{scheme, bos} 1``, every other family's name and labels as before, and the printed summary
+    names the token."""
+    from test_monitor import parse
+
+    from kvbits.monitor.cli import _print
+    from kvbits.monitor.watch import watch
+
+    text = str(write_sentences(tmp_path / "t.txt", 40))
+    lm = _bos_model()
+    tok = lm.tokenizer.bos_token
+    auto = watch(lm, text, 24, "int4-token", labels={"pod": "a"})
+    never = watch(lm, text, 24, "int4-token", labels={"pod": "a"}, bos="never")
+    assert auto.snapshot()["run"] == {"bos": "always", "bos_token": tok, "bos_token_id": 0}
+    assert never.snapshot()["run"] == {"bos": "never"}
+    m, n = parse(auto.prometheus()), parse(never.prometheus())
+    assert m["kvbits_run_info"] == [({"scheme": "int4-token", "pod": "a", "bos": "always"}, 1.0)]
+    assert n["kvbits_run_info"] == [({"scheme": "int4-token", "pod": "a", "bos": "never"}, 1.0)]
+    for name, samples in m.items():  # no other series carries bos
+        assert name == "kvbits_run_info" or all("bos" not in lab for lab, _ in samples)
+    _print(auto.snapshot())
+    _print(never.snapshot())
+    out = capsys.readouterr().out
+    assert out.count(f"the tokens started with the BOS token `{tok}` (id 0)") == 1
+    with pytest.raises(ValueError, match="--label"):
+        from kvbits.monitor.cli import _labels
+
+        _labels(["bos=x"])

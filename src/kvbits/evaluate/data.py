@@ -38,6 +38,7 @@ __all__ = [
     "TEXTS",
     "TextEntry",
     "TextSource",
+    "bos_record",
     "check_bos",
     "data_search_path",
     "load_text",
@@ -486,6 +487,15 @@ def bos_token_text(tokenizer: Any, bos_id: int | None) -> str | None:
     except Exception:  # noqa: BLE001 - a tokenizer without the method or the id: the token's text is not known
         return None
     return text if isinstance(text, str) else None
+
+
+def bos_record(tokenizer: Any, bos_id: int | None) -> dict[str, Any]:
+    """The ``"bos"`` fields of a summary (eval's ``summary.json``, ``speed.json``, ``needle.json``, the monitor's
+    snapshot): ``{"bos": "never"}`` without a BOS, else ``{"bos": "always", "bos_token": <text or None>,
+    "bos_token_id": <id>}`` (:func:`bos_token_text`)."""
+    if bos_id is None:
+        return {"bos": "never"}
+    return {"bos": "always", "bos_token": bos_token_text(tokenizer, bos_id), "bos_token_id": int(bos_id)}
 
 
 def resolve_bos(tokenizer: Any, mode: str = "auto") -> int | None:

@@ -39,7 +39,8 @@ the key: it is retrieved when every key token is the argmax (exactly when greedy
 key). --semantics prefill (default): the document is prefilled in full precision and stored in each
 scheme's real cache, the question and key are decoded token by token over it; decode: every token
 attends over the quantized history (the one-pass simulator, kvbits eval's semantics).
---json prints the summary: {"version", "task", "model", "data", "bos", "semantics", "dtype", "contexts", "depths",
+--json prints the summary: {"version", "task", "model", "data", "bos", "bos_token" and "bos_token_id" (with a BOS
+only), "semantics", "dtype", "contexts", "depths",
 "trials", "seed", "fingerprint", "reference": {"retrieved", "nll", "grid", "by_context"}, "results":
 [{"scheme", "avg_bits", "retrieved", "kept", "gained", "token_acc", "nll", "delta_nll", "kl",
 "by_context": [{"context", "trials", "retrieved", "retrieved_ref", "nll", "nll_ref", "kl",
@@ -173,10 +174,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(summary: dict, out: str | None) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from kvbits._console import stdout_console
-    from kvbits.report.fmt import fmt_pos
+    from kvbits.report.fmt import bos_phrase, fmt_pos
     from kvbits.report.needle import _pct, kept_cell
 
     console = stdout_console()
@@ -201,8 +203,10 @@ def _print(summary: dict, out: str | None) -> None:
             kept_cell(summary, r["scheme"]), f"{r['delta_nll']:+.3f}",
         )  # fmt: skip
     console.print(table)
+    bos = bos_phrase(summary)
     console.print(f"{len(summary['records'])} trials: {len(contexts)} context(s) x {len(depths)} depth(s) x "
-                  f"{summary['trials']}; {summary['wall_seconds']:.0f} s")  # fmt: skip
+                  f"{summary['trials']}" + ("" if bos is None else f", each starting with {escape(bos)}")
+                  + f"; {summary['wall_seconds']:.0f} s")  # fmt: skip
     if out:
         figure = " and needle.png" if (Path(out) / "needle.png").is_file() else " (no figure)"
         console.print(f"wrote {out}/needle.json, report.md{figure}")

@@ -339,7 +339,7 @@ def needle_eval(
             and without one do not merge.
 
     Returns:
-        ``{"version", "task", "model", "data", "bos", "semantics", "contexts", "depths", "trials", "seed",
+        ``{"version", "task", "model", "data", "bos", "bos_token" and "bos_token_id" (with a BOS only), "semantics", "contexts", "depths", "trials", "seed",
         "fingerprint": {"model", "tokens"}, "reference": {"retrieved", "nll", "grid", "by_context"},
         "results": [{"scheme", "avg_bits", "retrieved", "kept", "gained", "token_acc", "nll",
         "delta_nll", "kl", "by_context": [...], "grid", "calibration", "seconds", "decode"}],
@@ -353,7 +353,14 @@ def needle_eval(
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
     from kvbits.evaluate.calib_text import needle_text_record, warn_calibrated_on_eval_text
-    from kvbits.evaluate.data import check_bos, check_tokenized, resolve_bos, token_fingerprint, tokenize
+    from kvbits.evaluate.data import (
+        bos_record,
+        check_bos,
+        check_tokenized,
+        resolve_bos,
+        token_fingerprint,
+        tokenize,
+    )
     from kvbits.evaluate.inputs import (
         _check_before_loading,
         _data_arg,
@@ -466,7 +473,7 @@ def needle_eval(
         "task": task.to_dict(),
         "model": _model_arg(model_spec, model_name),
         "data": _data_arg(os.fspath(data) if isinstance(data, os.PathLike) else data, text.name),
-        "bos": "never" if bos_id is None else "always",
+        **bos_record(tokenizer, bos_id),  # "bos", and with a BOS its "bos_token" / "bos_token_id"
         "semantics": semantics,
         "dtype": _run_dtype(model, dtype_name),
         "contexts": contexts,

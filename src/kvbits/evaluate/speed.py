@@ -529,14 +529,11 @@ def speed_eval(
         data_path, dtype, device: as ``evaluate``.
         bos: ``"auto"`` (each prompt starts with the tokenizer's BOS where ``tokenizer(text)`` adds one), ``"always"``
             or ``"never"``, as ``evaluate`` takes it; the summary's ``"bos"`` says what ran (``"always"`` /
-            ``"never"``; a record without it: ``"never"``).
+            ``"never"``; a record without it: ``"never"``), with a BOS its ``"bos_token"`` / ``"bos_token_id"`` too.
         progress: a progress bar on stderr.
-        bos: ``"auto"`` (each prompt starts with the tokenizer's BOS where ``tokenizer(text)`` adds one), ``"always"``
-            or ``"never"``, as ``evaluate`` takes it; the summary's ``"bos"`` says what ran (``"always"`` /
-            ``"never"``; a record without it: ``"never"``).
 
     Returns:
-        ``{"version", "model", "data", "bos", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
+        ``{"version", "model", "data", "bos", "bos_token" and "bos_token_id" (with a BOS only), "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
         "tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa",
         "kernel_settings": {"kernel", "dequant",
         "autotune"} (``kvbits.kernels.dispatch.kernel_settings``), "tuned_launches": {launch key: candidate} (the
@@ -564,7 +561,7 @@ def speed_eval(
     check_model_arg(model, "speed_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
-    from kvbits.evaluate.data import check_bos
+    from kvbits.evaluate.data import bos_record, check_bos
     from kvbits.evaluate.inputs import (
         _check_before_loading,
         _data_arg,
@@ -743,7 +740,7 @@ def speed_eval(
         "version": SPEED_VERSION,
         "model": _model_arg(model_spec, model_name),
         "data": "tokens" if isinstance(data, torch.Tensor) else _data_arg(data_spec, data_name),
-        "bos": "never" if bos_id is None else "always",
+        **bos_record(tokenizer, bos_id),  # "bos", and with a BOS its "bos_token" / "bos_token_id"
         "device": {"type": dev.type, "name": _device_name(dev), "threads": torch.get_num_threads()},
         "layers": n_layers,
         "dtype": _run_dtype(model, dtype_name),

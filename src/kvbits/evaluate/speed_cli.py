@@ -45,7 +45,8 @@ decode steps are replayed from a captured CUDA graph after 2 eager steps and the
 scheme's flushing step is a graph of its own, run eagerly at its first flush and captured at its second. A hybrid
 model's conv / linear-attention / Mamba states are held unquantized beside the static K/V (--static), but --graphs
 refuses them (their captured replay is not verified).
---json prints the summary: {"version", "model", "data", "device", "dtype", "contexts", "batches",
+--json prints the summary: {"version", "model", "data", "bos", "bos_token" and "bos_token_id" (with a BOS only),
+"device", "dtype", "contexts", "batches",
 "tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa",
 "kernel_settings", "tuned_launches", "layers", "schemes",
 "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90", "ms_mean",
@@ -184,10 +185,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(summary: dict, out: str | None) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from kvbits._console import stdout_console
-    from kvbits.report.fmt import fmt_bytes, fmt_float_sig, fmt_pos
+    from kvbits.report.fmt import bos_phrase, fmt_bytes, fmt_float_sig, fmt_pos
     from kvbits.report.speed import held_beside
 
     console = stdout_console()
@@ -217,8 +219,11 @@ def _print(summary: dict, out: str | None) -> None:
             path = next(iter(rows.values()))["path"] if rows else ""
             table.add_row(name, path, *cells)
         console.print(table)
+    bos = bos_phrase(summary)
     console.print(
-        f"{len(summary['runs'])} runs, {summary['tokens']} timed steps each; {summary['wall_seconds']:.0f} s"
+        f"{len(summary['runs'])} runs, {summary['tokens']} timed steps each"
+        + ("" if bos is None else f", each prompt starting with {escape(bos)}")
+        + f"; {summary['wall_seconds']:.0f} s"
     )
     if out:
         figure = " and speed.png" if (Path(out) / "speed.png").is_file() else " (no figure)"

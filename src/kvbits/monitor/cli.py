@@ -39,7 +39,8 @@ precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "polic
 "mean_error" (of the finite errors; null before a measured flush), "nonfinite_errors" (NaN or inf, kept out of
 the mean and the histogram), "clipped" (in the measured flushes: --sample-every N counts one in N),
 "clipped_estimated" (scaled to every flush by values quantized / values measured), "clipped_fraction", "held_at"}],
-"events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]};
+"events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}],
+"run": {"bos" ("always" / "never": --bos as it ran), "bos_token", "bos_token_id" (with a BOS only)}};
 an event's "sequence" is the batch row of a key_error / value_error (the worst one), null for clipped_fraction and
 beyond_calibration, which are read over the whole batch.
 --clipped-fraction is checked at each measured flush, over the values that flush quantized (every sequence, KV head
@@ -50,8 +51,8 @@ all. For those, give a few clipped values' worth, e.g. 0.05 (10 of 192); the run
 columns (the snapshot's "clipped_fraction", over every measured flush).
 Prometheus (--prom): every series carries the label scheme="NAME" (the scheme's name), and layer / side (per-layer
 series), signal / action (kvbits_fallback_events_total), le (histogram buckets) where they apply, plus the --label
-pairs. Events and the snapshot's "labels" carry scheme and the --label pairs too. --label refuses the names
-kvbits sets (scheme, layer, side, signal, action, le, and the event fields time, value, threshold, sequence, tokens).
+pairs; kvbits_run_info{bos="always"} 1 (or "never") says whether the decoded tokens started with the BOS. Events and the snapshot's "labels" carry scheme and the --label pairs too. --label refuses the names
+kvbits sets (scheme, layer, side, signal, action, le, bos, and the event fields time, value, threshold, sequence, tokens).
 """
 
 _threshold = bounded(float, 0, what="a relative error")
@@ -213,9 +214,11 @@ def _say_written(prom: str | None, events: str | None, n_events: int) -> None:
 
 
 def _print(snap: dict[str, Any]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from kvbits.cli import _console, human_bytes
+    from kvbits.report.fmt import bos_phrase
 
     rows: dict[int, dict[str, Any]] = {}
     for r in snap["signals"]:
@@ -248,5 +251,7 @@ def _print(snap: dict[str, Any]) -> None:
         console.print(f"served {snap['tokens']:,} tokens, past the {longest:,} the calibration saw")
     kinds = Counter(e["signal"] for e in snap["events"])
     said = f" ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})" if kinds else ""
+    bos = bos_phrase(snap.get("run") or {})
     console.print(f"cache bytes at the end: {human_bytes(snap['total_bytes'])}; held layers: "
-                  f"{snap['held_layers'] or 'none'}; events: {len(snap['events'])}{said}")  # fmt: skip
+                  f"{snap['held_layers'] or 'none'}; events: {len(snap['events'])}{said}"
+                  + ("" if bos is None else f"; the tokens started with {escape(bos)}"))  # fmt: skip

@@ -65,9 +65,10 @@ def _number(v: float) -> str:
     return repr(int(v)) if v == int(v) and abs(v) < 2**53 else repr(v)
 
 
-MONITOR_LABELS = ("scheme", "layer", "side", "signal", "action", "le")
-"""Labels ``CacheMonitor`` sets itself (``le``: histogram buckets); a constant label of the same name would
-replace them (the scheme, which layer, which signal) in its metrics and events."""
+MONITOR_LABELS = ("scheme", "layer", "side", "signal", "action", "le", "bos")
+"""Labels ``CacheMonitor`` sets itself (``le``: histogram buckets; ``bos``: ``kvbits_run_info``'s, with ``run=``);
+a constant label of the same name would replace them (the scheme, which layer, which signal) in its metrics and
+events."""
 EVENT_FIELDS = ("time", "value", "threshold", "sequence", "tokens")
 """The fields of a ``CacheMonitor`` event besides its labels (each event carries the constant labels too);
 ``sequence``: the batch row of a ``key_error`` / ``value_error`` event (the worst), ``None`` for the signals read

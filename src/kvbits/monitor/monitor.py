@@ -62,6 +62,9 @@ class CacheMonitor:
         labels: constant labels added to every exported sample and event (``scheme`` is always there); the names
             the monitor sets itself (``export.RESERVED_LABELS``) are refused.
         on_event: called with each event dict as it happens (e.g. to forward it to a log pipeline).
+        run: what the watched run fed the cache, ``kvbits.evaluate.data.bos_record``'s ``{"bos": "always" /
+            "never"[, "bos_token", "bos_token_id"]}`` (``watch`` passes it): the snapshot's ``"run"`` and the
+            gauge ``kvbits_run_info{bos="..."} 1``; ``None`` (the default): neither.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class CacheMonitor:
         *,
         labels: Mapping[str, object] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        run: Mapping[str, Any] | None = None,
     ) -> None:
         from kvbits.cache.layer import QuantizedKVLayer
         from kvbits.cache.static import StaticQuantizedKVCache
@@ -110,6 +114,9 @@ class CacheMonitor:
             check_label_name(name, " (CacheMonitor labels)", RESERVED_LABELS)
         self.labels = {"scheme": cache.scheme.name, **{k: str(v) for k, v in (labels or {}).items()}}
         self.on_event = on_event
+        if run is not None and run.get("bos") not in ("always", "never"):
+            raise ValueError(f"run must record \"bos\" as \"always\" or \"never\", got {dict(run)!r}")
+        self.run = None if run is None else dict(run)
         self.layers = {layer.layer_idx: layer for layer in layers}
         self.signals = {(i, side): SideSignals() for i in self.layers for side in SIDES}
         self.events: list[dict[str, Any]] = []
@@ -295,6 +302,7 @@ class CacheMonitor:
             "calibrated_length": self.calibrated_length(),
             "signals": rows,
             "events": list(self.events),
+            **({} if self.run is None else {"run": dict(self.run)}),  # what the run fed the cache (watch): its bos
         }
 
     def clipped_estimate(self, layer: int, side: str) -> float:
@@ -374,6 +382,11 @@ class CacheMonitor:
                                  "context", "gauge")  # fmt: skip
             f_cal.add(max(0, f_tok.samples[0][2] - longest), base)
             fams.append(f_cal)
+        if self.run is not None:  # an info gauge: the other families' names and label sets stay as they were
+            f_run = MetricFamily("kvbits_run_info", "The watched run's input: bos is \"always\" when each sequence "
+                                 "started with the tokenizer's BOS token, \"never\" for raw text", "gauge")  # fmt: skip
+            f_run.add(1, {**base, "bos": self.run["bos"]})
+            fams.append(f_run)
         return fams
 
     def prometheus(self) -> str:

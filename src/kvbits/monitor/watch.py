@@ -40,10 +40,12 @@ def watch(
     loaded, its shape always and its weights (fingerprint) where both sides pin them. The cache logs no calibration
     warnings of its own: the monitor's signals count the clipped values and say when the calibrated length is passed.
     ``bos`` (``"auto"``, ``"always"``, ``"never"``): whether the decoded tokens start with the tokenizer's BOS, as
-    ``evaluate``'s windows do (the BOS and ``context - 1`` text tokens; ``kvbits.evaluate.data.resolve_bos``).
+    ``evaluate``'s windows do (the BOS and ``context - 1`` text tokens; ``kvbits.evaluate.data.resolve_bos``); the
+    monitor's snapshot records it (``"run": {"bos", "bos_token" and "bos_token_id" with a BOS}``), its Prometheus
+    text as ``kvbits_run_info{bos="always"} 1`` (or ``"never"``).
     """
     from kvbits.calibrate import checked_artifact
-    from kvbits.evaluate.data import check_bos
+    from kvbits.evaluate.data import bos_record, check_bos
     from kvbits.evaluate.inputs import _check_calibration_models, _load_model, _load_windows
     from kvbits.evaluate.request import _resolve_dtype, check_device
     from kvbits.evaluate.stream import PeerScheme, resolve_scheme, stream_hidden
@@ -67,14 +69,15 @@ def watch(
     # as every other command that runs a model: refused past a learned position table (torch's IndexError inside the
     # model otherwise), logged as extrapolation past a RoPE model's max_position_embeddings
     check_context_fits(lm.config, context)
-    windows, _, _, _ = _load_windows(data, tokenizer, context, 1, data_path, lm, bos)
+    windows, _, _, bos_id = _load_windows(data, tokenizer, context, 1, data_path, lm, bos)
     if windows.shape[0] == 0:
         raise ValueError(f"the text has fewer than {context} tokens")
     ids = windows[:1].to(next(lm.parameters()).device)
+    run = bos_record(tokenizer, bos_id)  # the snapshot's "run" and kvbits_run_info{bos=...}
     monitors: list[CacheMonitor] = []
     stream_hidden(
         lm, ids, resolved, calibration=calibration, progress=progress, calibration_warnings=False,
-        on_cache=lambda cache: monitors.append(CacheMonitor(cache, policy, labels=labels)),
+        on_cache=lambda cache: monitors.append(CacheMonitor(cache, policy, labels=labels, run=run)),
     )  # fmt: skip
     (mon,) = monitors
     mon.detach()

@@ -18,6 +18,7 @@ from kvbits.report.inline import code
 __all__ = [
     "DEFAULT_THRESHOLD",
     "NA",
+    "bos_phrase",
     "bucket_label",
     "fmt_bytes",
     "fmt_ci",
@@ -63,6 +64,17 @@ def _fixed(x: float, spec: str) -> str:
     if abs(float(text)) >= _BIG:
         return format(x, spec[:-1] + "e")
     return text
+
+
+def bos_phrase(summary: Mapping[str, Any]) -> str | None:
+    """``"the BOS token `<s>` (id 1)"`` for a record whose ``"bos"`` is ``"always"`` (the token and id where it
+    records them: ``"the BOS token"`` alone otherwise), None for one without a BOS (``"never"`` or no field)."""
+    if summary.get("bos") != "always":
+        return None
+    token, tid = summary.get("bos_token"), summary.get("bos_token_id")
+    if not isinstance(token, str):
+        return "the BOS token"
+    return f"the BOS token {code(token)}" + (f" (id {tid})" if type(tid) is int else "")
 
 
 def fmt_pos(n: int) -> str:

@@ -227,7 +227,7 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
     first = summaries[0]
     return {
         **{k: first[k] for k in ("version", "task", "model", "data", "semantics")},
-        **({"bos": first["bos"]} if "bos" in first else {}),
+        **{k: first[k] for k in ("bos", "bos_token", "bos_token_id") if k in first},
         **({"dtype": dt} if (dt := next((s["dtype"] for s in summaries if s.get("dtype")), None)) else {}),
         "contexts": contexts,
         "depths": depths,

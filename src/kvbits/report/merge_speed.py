@@ -8,7 +8,8 @@ VM by up to 1.4x in one session). So a (context, batch) cell is merged whole, fr
 it writes anything the merge checks:
 
 - the same summary version, model (fingerprint), prompts' text, dtype, device (type, name, threads),
-  layers, timed and warm-up steps, fused-decode, workspace and reservation setting (a run from before
+  BOS choice (``bos``; ``never`` before it was recorded), layers, timed and warm-up steps, fused-decode,
+  workspace and reservation setting (a run from before
   ``reserve`` existed counts as growing), static caches and CUDA graphs (``static``, ``graphs``; off before
   they existed), SDPA's backends (``sdpa``; ``auto`` before it was recorded), and
   decode-kernel settings (``KVBITS_KERNEL``, ``KVBITS_DEQUANT``,
@@ -74,6 +75,11 @@ def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]])
         check_same(names[0], first, name, s, _SAME, "only speed runs of the same model, prompts, machine and setting "
                    "share a report (step times from other settings do not compare)")  # fmt: skip
         check_fingerprints(names[0], first, name, s, "speed", keys=("model",))
+        if first.get("bos", "never") != s.get("bos", "never"):  # a record without "bos": raw slices (before --bos)
+            raise ValueError(
+                f"runs differ in their bos: {first.get('bos', 'never')} in {names[0]}, {s.get('bos', 'never')} in "
+                f"{name}: prompts that start with the BOS are other prompts; merge runs with the same --bos"
+            )
         a, b = ([{k: x.get(k) for k in _SCHEME} for x in t["schemes"]] for t in (first, s))
         bits_a, bits_b = ([x.get("avg_bits") for x in t["schemes"]] for t in (first, s))
         same_bits = len(bits_a) == len(bits_b) and all(
@@ -122,6 +128,7 @@ def merge_speed(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | N
         prompts.update((s.get("fingerprint") or {}).get("prompts") or {})
     return {
         **{k: first[k] for k in _SAME if k in first},
+        **{k: first[k] for k in ("bos", "bos_token", "bos_token_id") if k in first},  # the report's Prompts line
         "baselines": list(first.get("baselines") or ["DynamicCache"]),
         "contexts": sorted({int(r["context"]) for r in runs}),
         "batches": sorted({int(r["batch"]) for r in runs}),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
-from kvbits.report.fmt import fmt_frac, fmt_kl, fmt_pos, merged_runs_table
+from kvbits.report.fmt import bos_phrase, fmt_frac, fmt_kl, fmt_pos, merged_runs_table
 from kvbits.report.inline import code
 from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
@@ -132,7 +132,9 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         "",
         f"- **Model:** {code(str(summary['model']))} (fingerprint {code(str(summary['fingerprint']['model']))})"
         + (f", {code(str(summary['dtype']))}" if summary.get("dtype") else ""),
-        f"- **Haystack:** {code(str(summary['data']))} (tokens fingerprint {code(str(summary['fingerprint']['tokens']))})",
+        f"- **Haystack:** {code(str(summary['data']))} (tokens fingerprint {code(str(summary['fingerprint']['tokens']))})"
+        + ("" if (bos := bos_phrase(summary)) is None else f"; each trial starts with {bos}, then the haystack one "
+           "token shorter"),
         (
             f"- **Contexts:** {', '.join(fmt_pos(c) for c in contexts)} tokens; **depths** "
             f"{', '.join(f'{d:g}' for d in depths)}; {_trials_per_cell(summary)} trial(s) per cell, {n} in all "

@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
-from kvbits.report.fmt import fmt_bytes, fmt_float, fmt_float_sig, fmt_frac, fmt_pos, merged_runs_table
+from kvbits.report.fmt import (
+    bos_phrase,
+    fmt_bytes,
+    fmt_float,
+    fmt_float_sig,
+    fmt_frac,
+    fmt_pos,
+    merged_runs_table,
+)
 from kvbits.report.inline import code
 from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
@@ -229,6 +237,8 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         (
             f"- **Prompts:** {code(str(summary['data']))}, contexts {', '.join(fmt_pos(c) for c in summary['contexts'])} tokens; "
             f"batches {', '.join(str(b) for b in summary['batches'])}"
+            + ("" if (bos := bos_phrase(summary)) is None else f"; each prompt starts with {bos} (then context - 1 "
+               "text tokens)")
         ),
         f"- **Decode:** {summary['tokens']} timed greedy steps after {summary['warmup']} warm-up steps, per run"
         + ("" if summary.get("static") else {  # runs from before the setting say nothing (their caches grew)
