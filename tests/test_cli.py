@@ -992,6 +992,19 @@ def test_a_mistyped_flag_is_named_by_its_command_with_the_near_one(capsys, argv)
     assert f"kvbits {command}: error: unrecognized argument --contxt (did you mean --context?)" in err, err
 
 
+def test_a_mistyped_command_is_answered_with_the_near_one(capsys):
+    """``kvbits evall`` listed the valid commands but suggested none; now it names the near one, as a mistyped
+    flag does, and still lists them."""
+    if "eval" not in _subcommands():
+        pytest.skip("no eval subcommand")
+    with pytest.raises(SystemExit) as e:
+        main(["evall"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "invalid choice: 'evall'" in err and "'eval'" in err, err
+    assert "(did you mean eval?)" in err, err
+
+
 def test_an_abbreviated_flag_still_parses():
     """The check for unknown flags accepts what argparse accepts: a unique prefix (``--kv-head``), ``--x=v``."""
     assert main(["plan", "--layers=2", "--kv-head", "1", "--head-dim", "64", "--context", "64", "--json"]) == 0

@@ -647,9 +647,31 @@ def _unknown_option(sub: argparse.ArgumentParser, argv: Sequence[str]) -> str | 
     return None
 
 
+def _unknown_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """The message for a first non-option token of ``argv`` that names no subcommand of ``parser``, with a
+    ``did you mean`` for a near one; None when it names one, or there is none.
+
+    argparse listed the valid commands but suggested none (``kvbits evall``: "invalid choice: 'evall' (choose
+    from ...)"), where a mistyped flag already got its near one.
+    """
+    token = next((t for t in argv if not t.startswith("-")), None)
+    choices = list(parser._subparsers._group_actions[0].choices) if parser._subparsers else []
+    if token is None or token in choices:
+        return None
+    listed = ", ".join(repr(c) for c in choices)
+    near = difflib.get_close_matches(token, choices, n=1, cutoff=0.6)
+    return f"argument COMMAND: invalid choice: {token!r} (choose from {listed})" + (
+        f" (did you mean {near[0]}?)" if near else ""
+    )
+
+
 def _main(argv: list[str]) -> int:
     command = requested_command(argv)
     parser = build_parser(only=command)
+    if command is None:
+        unknown_command = _unknown_command(parser, argv)
+        if unknown_command is not None:
+            parser.error(unknown_command)
     sub = parser._subparsers._group_actions[0].choices.get(command) if parser._subparsers and command else None
     if isinstance(sub, argparse.ArgumentParser):
         unknown = _unknown_option(sub, argv[argv.index(command) + 1 :])
