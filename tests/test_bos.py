@@ -449,7 +449,7 @@ def test_needle_names_the_bos_token_in_needle_json_its_report_its_table_and_a_me
     _print(auto, None)
     _print(never, None)
     out = capsys.readouterr().out
-    assert out.count(f"each starting with the BOS token `{tok}` (id 0)") == 1
+    assert out.count(f"each starting with the BOS token {tok} (id 0)") == 1
 
 
 def test_monitor_records_its_bos_in_the_snapshot_and_as_an_info_gauge(tmp_path, capsys):
@@ -478,8 +478,22 @@ def test_monitor_records_its_bos_in_the_snapshot_and_as_an_info_gauge(tmp_path, 
     _print(auto.snapshot())
     _print(never.snapshot())
     out = capsys.readouterr().out
-    assert out.count(f"the tokens started with the BOS token `{tok}` (id 0)") == 1
+    assert out.count(f"the tokens started with the BOS token {tok} (id 0)") == 1
     with pytest.raises(ValueError, match="--label"):
         from kvbits.monitor.cli import _labels
 
         _labels(["bos=x"])
+
+
+def test_the_printed_speed_summary_names_the_bos_token_plain_as_eval_does(capsys):
+    """The printed speed / needle / monitor summaries showed the BOS token as a Markdown code span (```<s>``` on a
+    terminal) while eval's header shows it plain; now the console gets the plain form, the reports keep theirs."""
+    from kvbits.evaluate.speed_cli import _print
+    from kvbits.report.fmt import bos_phrase
+
+    run = {"bos": "always", "bos_token": "<s>", "bos_token_id": 1}
+    assert bos_phrase(run) == "the BOS token `<s>` (id 1)"
+    assert bos_phrase(run, markdown=False) == "the BOS token <s> (id 1)"
+    _print({**run, "batches": [], "runs": [], "tokens": 2, "wall_seconds": 1.0}, None)
+    out = capsys.readouterr().out
+    assert "each prompt starting with the BOS token <s> (id 1)" in out, out

@@ -203,7 +203,7 @@ def _print(summary: dict, out: str | None) -> None:
             kept_cell(summary, r["scheme"]), f"{r['delta_nll']:+.3f}",
         )  # fmt: skip
     console.print(table)
-    bos = bos_phrase(summary)
+    bos = bos_phrase(summary, markdown=False)
     console.print(f"{len(summary['records'])} trials: {len(contexts)} context(s) x {len(depths)} depth(s) x "
                   f"{summary['trials']}" + ("" if bos is None else f", each starting with {escape(bos)}")
                   + f"; {summary['wall_seconds']:.0f} s")  # fmt: skip

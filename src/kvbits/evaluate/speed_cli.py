@@ -219,7 +219,7 @@ def _print(summary: dict, out: str | None) -> None:
             path = next(iter(rows.values()))["path"] if rows else ""
             table.add_row(name, path, *cells)
         console.print(table)
-    bos = bos_phrase(summary)
+    bos = bos_phrase(summary, markdown=False)
     console.print(
         f"{len(summary['runs'])} runs, {summary['tokens']} timed steps each"
         + ("" if bos is None else f", each prompt starting with {escape(bos)}")

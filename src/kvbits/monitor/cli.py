@@ -251,7 +251,7 @@ def _print(snap: dict[str, Any]) -> None:
         console.print(f"served {snap['tokens']:,} tokens, past the {longest:,} the calibration saw")
     kinds = Counter(e["signal"] for e in snap["events"])
     said = f" ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})" if kinds else ""
-    bos = bos_phrase(snap.get("run") or {})
+    bos = bos_phrase(snap.get("run") or {}, markdown=False)
     console.print(f"cache bytes at the end: {human_bytes(snap['total_bytes'])}; held layers: "
                   f"{snap['held_layers'] or 'none'}; events: {len(snap['events'])}{said}"
                   + ("" if bos is None else f"; the tokens started with {escape(bos)}"))  # fmt: skip

@@ -66,15 +66,18 @@ def _fixed(x: float, spec: str) -> str:
     return text
 
 
-def bos_phrase(summary: Mapping[str, Any]) -> str | None:
+def bos_phrase(summary: Mapping[str, Any], *, markdown: bool = True) -> str | None:
     """``"the BOS token `<s>` (id 1)"`` for a record whose ``"bos"`` is ``"always"`` (the token and id where it
-    records them: ``"the BOS token"`` alone otherwise), None for one without a BOS (``"never"`` or no field)."""
+    records them: ``"the BOS token"`` alone otherwise), None for one without a BOS (``"never"`` or no field).
+
+    ``markdown=False``: the token plain, ``"the BOS token <s> (id 1)"``, for the console summaries (as eval's
+    header prints it; a code span's backticks are noise on a terminal)."""
     if summary.get("bos") != "always":
         return None
     token, tid = summary.get("bos_token"), summary.get("bos_token_id")
     if not isinstance(token, str):
         return "the BOS token"
-    return f"the BOS token {code(token)}" + (f" (id {tid})" if type(tid) is int else "")
+    return f"the BOS token {code(token) if markdown else token}" + (f" (id {tid})" if type(tid) is int else "")
 
 
 def fmt_pos(n: int) -> str:
