@@ -77,3 +77,25 @@ def test_an_attribute_error_inside_a_lazy_submodule_is_not_read_as_a_missing_nam
         sys.path.remove(str(tmp_path))
         for name in ("lzpkg", "lzpkg.mod"):
             sys.modules.pop(name, None)
+
+
+def test_an_attribute_error_inside_a_submodule_attribute_is_not_read_as_a_missing_name(tmp_path: Path) -> None:
+    """A submodule reached as a package attribute (``pkg.mod``, not an export) that raised ``AttributeError`` while
+    importing read as a missing name (hasattr False, "module 'pkg' has no attribute 'mod'"): now an ImportError
+    naming the submodule and the cause, as for an export."""
+    (tmp_path / "lzpkg2").mkdir()
+    (tmp_path / "lzpkg2" / "__init__.py").write_text(
+        "from kvbits._lazy import lazy_exports\n__getattr__ = lazy_exports(__name__, {})\n"
+    )
+    (tmp_path / "lzpkg2" / "mod.py").write_text("import os\nX = os.no_such_thing\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        lzpkg2 = importlib.import_module("lzpkg2")
+        with pytest.raises(ImportError, match=r"lzpkg2\.mod .*no_such_thing"):
+            hasattr(lzpkg2, "mod")
+        with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+            lzpkg2.nothing  # noqa: B018
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("lzpkg2", "lzpkg2.mod"):
+            sys.modules.pop(name, None)

@@ -68,4 +68,8 @@ def _submodule(package: str, name: str) -> types.ModuleType:
         except ModuleNotFoundError as error:
             if error.name != f"{package}.{name}":
                 raise  # the submodule exists but needs a module that is missing: that is the error to see
+        except AttributeError as error:
+            # raised inside the submodule: out of a module __getattr__ it would read as "no such name" (as in
+            # lazy_exports' __getattr__), so it is re-raised as what it is
+            raise ImportError(f"importing {package}.{name} failed: {error}") from error
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
