@@ -67,6 +67,23 @@ def test_pre_rope_plans_refused_for_a_default_mrope_section():
     assert plan(config, scheme="int8-token", context=128)["total_bytes"] > 0
 
 
+@pytest.mark.parametrize("model_type", ["glm_ocr", "ernie4_5_vl_moe"])
+def test_multimodal_rope_in_another_layout_is_refused_for_the_same_primary_reason(model_type):
+    """GLM-OCR and ERNIE 4.5 VL rotate by multimodal RoPE in a layout other than rotate-half: the planner said only
+    "layout other than rotate-half" while the cache said "multimodal RoPE" for the same refusal. Now the planner
+    leads with the multimodal RoPE, as the cache does, and names the layout too."""
+    from kvbits.cache import QuantizedKVCache
+
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    config = transformers.CONFIG_MAPPING[model_type]()
+    with pytest.raises(ValueError, match=r"rotates its keys by multimodal RoPE \(mrope_section"):
+        QuantizedKVCache(config, "int4-channel-prerope")
+    with pytest.raises(ValueError, match=r"\) rotates its keys by multimodal RoPE \(mrope_section \[[\d, ]+\]\).*; it "
+                                         r"also applies RoPE in a layout other than rotate-half"):  # fmt: skip
+        plan(config, scheme="int4-channel-prerope", context=128)
+
+
 @pytest.mark.parametrize("model_type", NOT_ROTATE_HALF)
 def test_the_refused_layouts_are_what_the_cache_s_probe_refuses(model_type):
     """Each family of ``NOT_ROTATE_HALF`` (refused by name by the planner and ``RotaryTables``) is refused by the

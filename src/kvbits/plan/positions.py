@@ -316,27 +316,29 @@ def pre_rope_problem(text: Any) -> str | None:
         return "rotates interleaved channel pairs from a fixed sinusoid table (pre-RoPE keys support rotate-half RoPE only)"
     if model_type in KEYS_NORMED_AFTER_ROPE:
         return "normalises its keys after RoPE (key_layernorm): its cached keys are no rotation of a pre-RoPE key"
+    layout = None  # why its RoPE layout is not rotate-half
     if model_type in NOT_ROTATE_HALF:
-        return (
+        layout = (
             "applies RoPE in a layout other than rotate-half (interleaved channel pairs or another sign; pre-RoPE keys "
             "support rotate-half RoPE only)"
         )
-    interleaved = interleave_reason(text)
-    if interleaved is not None:
-        return f"applies RoPE in a layout other than rotate-half: {interleaved} (pre-RoPE keys support rotate-half RoPE only)"
+    elif (interleaved := interleave_reason(text)) is not None:
+        layout = f"applies RoPE in a layout other than rotate-half: {interleaved} (pre-RoPE keys support rotate-half RoPE only)"
+    section = mrope_section(text)
+    if section is None:
+        section = default_mrope_section(model_type)
+    if section is not None:  # first, as the cache refuses it first (GLM-OCR, ERNIE 4.5 VL: both reasons given)
+        return (
+            f"rotates its keys by multimodal RoPE (mrope_section {list(section)}): each channel section turns by its "
+            "own position axis, so its keys have no single pre-RoPE frame" + ("" if layout is None else f"; it also {layout}")
+        )
+    if layout is not None:
+        return layout
     from kvbits.plan.config import latent_attention, latent_attention_message  # config imports this module
 
     if (latent := latent_attention(text)) is not None:  # as RotaryTables and the caches refuse it
         why = "its keys rotate only their last qk_rope_head_dim channels, inside a cache that holds no K heads to un-rotate"
         return latent_attention_message(text, latent, "", "kvbits (its pre-RoPE keys and its caches)", why)
-    section = mrope_section(text)
-    if section is None:
-        section = default_mrope_section(model_type)
-    if section is not None:
-        return (
-            f"rotates its keys by multimodal RoPE (mrope_section {list(section)}): each channel section turns by its "
-            "own position axis, so its keys have no single pre-RoPE frame"
-        )
     why = no_rope_reason(text)
     if why is not None:
         return f"does not rotate its keys: {why}"
