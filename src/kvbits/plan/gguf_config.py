@@ -1,0 +1,114 @@
+"""A GGUF file's transformers config for planning, built from the header kvbits already read.
+
+``AutoConfig.from_pretrained(dir, gguf_file=...)`` sends the architectures transformers' own fast path does not
+cover (Llama and Qwen2 among them, transformers 5.25) through ``load_gguf_checkpoint``, which builds gguf's full
+``GGUFReader``: it parses every metadata value element by element (SmolLM2-135M's 49,152-token vocabulary) and
+every tensor's info, 4.4 s of the 7.1 s ``kvbits plan --model smollm2-135m`` spent reading its config. For the
+architectures in :data:`FAST_ARCHITECTURES` the config dict is rebuilt here from the file's metadata, read by
+transformers' header reader (``read_gguf_metadata``: ~40 ms, string arrays as their length; it reads the metadata
+and tensor names whatever the tensor types, where its ``GgufHeader`` refuses Q5_0 in the Qwen2.5 Q4_K_M file),
+with transformers' own tables (``GGUF_CONFIG_MAPPING``, ``GGUF_CONFIG_DEFAULTS_MAPPING``), as
+``load_gguf_checkpoint`` does for them. Any other architecture, a file that reader can not read (transformers
+then says why), or a transformers without that reader or those tables gives None, and the caller asks
+transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FAST_ARCHITECTURES", "gguf_config_dict", "gguf_config_from_file"]
+
+# architectures ``load_gguf_checkpoint`` treats with no special case (no renaming, no values from tensors beyond
+# ``output.weight``, no post-processing) and the real-model tests compare against transformers' config
+FAST_ARCHITECTURES = frozenset({"llama", "qwen2"})
+
+
+def gguf_config_dict(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, Any] | None:
+    """The config dict ``load_gguf_checkpoint(..., return_tensors=False)["config"]`` gives for a file with this
+    ``metadata`` (transformers' header reader's: string arrays as their length) and these tensors, or None
+    where this module does not rebuild it (an architecture outside :data:`FAST_ARCHITECTURES`, a Llama file
+    transformers reads as Mistral, a transformers without the mapping tables)."""
+    architecture = metadata.get("general.architecture")
+    if architecture not in FAST_ARCHITECTURES:
+        return None
+    name = metadata.get("general.name")
+    if architecture == "llama" and isinstance(name, str) and "mistral" in name:  # transformers renames it
+        return None
+    try:
+        from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    except ImportError:
+        return None
+    if architecture not in GGUF_CONFIG_MAPPING:
+        return None
+    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    for key, value in (GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {}).items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, rest = key.partition(".")
+        renames = GGUF_CONFIG_MAPPING.get(prefix)
+        if not renames or rest not in renames:
+            continue
+        target = renames[rest]
+        if target is None or target == -1:
+            continue
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        config[target] = value
+    if "vocab_size" not in config and isinstance(metadata.get("tokenizer.ggml.tokens"), int):
+        config["vocab_size"] = metadata["tokenizer.ggml.tokens"]
+    return config
+
+
+def gguf_config_from_file(path: Path) -> Any | None:
+    """The transformers config ``AutoConfig.from_pretrained(path.parent, gguf_file=path.name)`` builds for the GGUF
+    file ``path`` (:func:`gguf_config_dict`, through the same ``from_dict``), or None where this module does not
+    rebuild it (see the module's docstring)."""
+    header = _read_header(path)
+    if header is None:
+        return None
+    metadata, tensor_names = header
+    config_dict = gguf_config_dict(metadata, tensor_names)
+    if config_dict is None:
+        return None
+    from transformers import CONFIG_MAPPING
+
+    model_type = config_dict.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return None
+    return CONFIG_MAPPING[model_type].from_dict(config_dict, name_or_path=str(path.parent), _from_auto=True)
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], set[str]] | None:
+    """``(metadata, tensor names)`` of the GGUF file ``path`` through transformers' header reader (string arrays as
+    their length), or None where it can not tell them: before transformers 5.25, a file it can not read, a tensor
+    type gguf does not size, or a file that ends before the tensor data its table declares (a download cut short:
+    transformers' reader, then gguf's, say so)."""
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        from transformers.integrations.gguf.reader import _mapped, _read_metadata, _read_tensor_table
+    except ImportError:
+        return None
+    try:
+        blob = _mapped(str(path))
+        metadata, tensor_count, pos = _read_metadata(blob, str(path))
+        entries, pos = _read_tensor_table(blob, tensor_count, pos)
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = (pos + alignment - 1) // alignment * alignment
+        end = data_start
+        for _, shape, ggml_type, offset in entries:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            end = max(end, data_start + offset + math.prod(shape) // block * block_bytes)
+    except (ValueError, KeyError, IndexError, TypeError, struct.error, UnicodeDecodeError) as exc:
+        logger.debug("could not read the GGUF header of %s (%s); asking AutoConfig", path, exc)
+        return None
+    if end > len(blob):
+        return None
+    return metadata, {name for name, *_ in entries}
