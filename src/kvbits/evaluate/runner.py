@@ -212,8 +212,6 @@ def _check_head(model: Any, base: Any, head: LogitHead, ids: torch.Tensor) -> No
     logger.debug("logits from the final hidden states match the model's (relative difference %.2g)", err)
 
 
-@runs_on_device
-@kept_cuda_device()  # a rank's Ranks.device makes its device current; the caller's is current again after
 def _reused(
     stored: dict[str, Any], calibrations: dict[str, Any], data: Any, data_path: str | None,
     on_skip: Callable[[dict[str, Any]], None] | None, main: bool,
@@ -230,6 +228,8 @@ def _reused(
     return stored
 
 
+@runs_on_device
+@kept_cuda_device()  # a rank's Ranks.device makes its device current; the caller's is current again after
 def evaluate(
     model: Any,
     data: Any,
