@@ -91,7 +91,7 @@ def test_a_corrupt_done_file_is_refused_as_another_run_not_a_decode_error(tmp_pa
     from kvbits.evaluate.outputs import OtherRunError, _check_out_dir
 
     (tmp_path / "DONE").write_bytes(b"\xff\xfe\x00torn")
-    with pytest.raises(OtherRunError, match="config hash unreadable.*--overwrite"):
+    with pytest.raises(OtherRunError, match="config hash unreadable.*overwrite=True"):
         _check_out_dir(tmp_path, "abc", False, {})
     assert _check_out_dir(tmp_path, "abc", True, {}) is None
 

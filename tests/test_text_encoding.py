@@ -19,7 +19,8 @@ _C_LOCALE = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHO
 
 def _text_calls_without_encoding(tree: ast.AST) -> list[int]:
     """Lines of ``x.read_text()`` / ``x.write_text(t)`` / ``open(p)`` / ``x.open("a")`` calls in text mode that do not
-    name an ``encoding`` (so read or write in the locale's); a zip member (``zf.open``) is bytes."""
+    name an ``encoding`` (so read or write in the locale's); a zip member (``zf.open``) is bytes, ``os.open`` a bare file
+    descriptor."""
     lines = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
@@ -27,7 +28,7 @@ def _text_calls_without_encoding(tree: ast.AST) -> list[int]:
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
         if name in ("read_text", "write_text"):
             lines.append(node.lineno)
-        elif name == "open" and not (isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "zf"):
+        elif name == "open" and not (isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) in ("zf", "os")):
             mode_at = 1 if isinstance(node.func, ast.Name) else 0  # open(path, mode) / path.open(mode)
             mode = node.args[mode_at] if len(node.args) > mode_at else next(
                 (k.value for k in node.keywords if k.arg == "mode"), None)

@@ -207,7 +207,8 @@ def test_spec_rules_json_and_export():
     assert _spec_str(TRUNC) == "int8 sym trunc per-token"
     assert _spec_str(VLLM8) == "int8 sym trunc fp32-scales per-token"
     args = vllm_cache_args("vllm-int8,0=fp16")
-    assert args.cli() == ["--kv-cache-dtype", "int8_per_token_head", "--kv-cache-dtype-skip-layers", "0"]
+    assert args.cli() == ["--kv-cache-dtype", "int8_per_token_head", "--kv-cache-dtype-skip-layers", "0",
+                          "--attention-backend", "TRITON_ATTN"]  # fmt: skip
     assert any("toward zero" in n and "float32" in n for n in args.notes)
     with pytest.raises(ValueError, match="no KV-cache format"):  # rounded INT8 is not what vLLM stores
         vllm_cache_args(KVScheme("int8-round", key=NEAREST, value=NEAREST))
