@@ -86,6 +86,35 @@ def test_speed_and_needle_refuse_a_scheme_the_config_rules_out_before_the_weight
             needle_eval(str(folder), [256], ["int8-token", "kivi-2"], data=str(text))
 
 
+def test_monitor_refuses_a_scheme_the_config_rules_out_before_the_weights_load(tmp_path, monkeypatch):
+    """``watch`` (``kvbits monitor``) was the one model-running entry point not given eval's ``check_config``: kivi-2
+    (values grouped in 32 channels) on a head_dim of 16 loaded the weights and was refused by the cache at its first
+    update ("layer 0: ... group_size must be one of [2, 4, 8, 16]"). The config now refuses it, as eval's."""
+    import transformers
+
+    from kvbits.monitor import watch
+
+    folder = tmp_path / "model"
+    _tiny_llama().save_pretrained(folder)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    ids = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="scheme 'kivi-2' can not store head_dim 16: values"):
+        watch(str(folder), ids, 64, "kivi-2")
+
+
+def test_monitor_refuses_a_scheme_a_loaded_model_rules_out_from_its_config():
+    """A model passed loaded (no config read first) is checked on its config before any decode step."""
+    from kvbits.monitor import watch
+
+    ids = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="scheme 'kivi-2' can not store head_dim 16: values"):
+        watch(_tiny_llama(), ids, 64, "kivi-2")
+
+
 @pytest.mark.parametrize(
     "flags, role, peer",
     [

@@ -48,7 +48,7 @@ def watch(
     from kvbits.evaluate.data import bos_record, check_bos
     from kvbits.evaluate.inputs import _check_calibration_models, _load_model, _load_windows
     from kvbits.evaluate.request import _resolve_dtype, check_device
-    from kvbits.evaluate.stream import PeerScheme, resolve_scheme, stream_hidden
+    from kvbits.evaluate.stream import PeerScheme, check_schemes_fit, resolve_scheme, stream_hidden
     from kvbits.plan.config import check_context_fits
 
     if not isinstance(context, int) or isinstance(context, bool) or context < 2:
@@ -63,7 +63,12 @@ def watch(
     torch_dtype, _ = _resolve_dtype(dtype)
     if calibration is not None:
         calibration = checked_artifact(calibration, resolved)
-    lm, tokenizer, _, model_fp = _load_model(model, torch_dtype, device)
+    # a scheme the config rules out (groups not dividing head_dim) is refused before the weights load, as eval,
+    # speed and needle refuse it; a model passed loaded is checked on its config here too
+    lm, tokenizer, _, model_fp = _load_model(
+        model, torch_dtype, device, lambda config: check_schemes_fit([resolved], config)
+    )
+    check_schemes_fit([resolved], lm.config)
     if calibration is not None:  # the weights too: a same-shaped model B must not serve A's calibration
         _check_calibration_models({resolved.name: calibration}, model, lm.config, model_fp)
     # as every other command that runs a model: refused past a learned position table (torch's IndexError inside the
