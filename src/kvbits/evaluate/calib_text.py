@@ -329,6 +329,8 @@ def warn_stored(summary: dict[str, Any], calibrations: dict[str, Any], data: Any
     W, T = summary.get("windows"), summary.get("context")
     if not isinstance(W, int) or not isinstance(T, int):
         return
+    # with a BOS the text scored is W * (T - 1) tokens, as the live run says it (evaluate's total=)
+    total = W * (T - (summary.get("bos") == "always"))
     sha: Any = ...
     for res in summary.get("results") or []:
         name = res.get("scheme") if isinstance(res, dict) else None
@@ -349,7 +351,7 @@ def warn_stored(summary: dict[str, Any], calibrations: dict[str, Any], data: Any
                 new["calibration_overlap_tokens"] = None
             rec.update(new)
             unknown = "the stored run predates the count of the tokens it shares (overwrite to redo it)"
-        warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T, unknown=unknown)
+        warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T, total=total, unknown=unknown)
 
 
 def _stored_data_sha(data: Any, data_path: str | None) -> str | None:
