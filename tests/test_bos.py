@@ -522,3 +522,24 @@ def test_a_reused_run_warns_as_the_live_run_did_about_its_bos(tmp_path, caplog):
         assert "30 of the 30 evaluated tokens (100%)" in text_said
         assert "was fitted on windows without a BOS token (raw slices of the text), but this evaluation's windows " \
             "start with the BOS token" in text_said  # fmt: skip
+
+
+def test_needle_warns_when_its_calibration_was_cut_with_another_bos(tmp_path, caplog):
+    """``kvbits needle --bos`` and ``kvbits calibrate --bos`` came from two branches: eval warned of a calibration cut
+    without a BOS served to windows with one, needle (trials that start with the BOS by default) said nothing."""
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate.needle_run import needle_eval
+
+    text = str(write_sentences(tmp_path / "t.txt", 80))
+    other = str(write_sentences(tmp_path / "o.txt", 60, seed=1))
+    never = calibrate(_bos_model(), other, "kvquant-4", context=32, windows=2, fisher=False, max_tokens=64,
+                      bos="never")  # fmt: skip
+    with caplog.at_level("WARNING"):
+        needle_eval(_bos_model(), 200, ["kvquant-4"], data=text, depths=[0.5], calibration={"kvquant-4": never})
+    assert "was fitted on windows without a BOS token (raw slices of the text), but this run's trials start with " \
+        "the BOS token" in caplog.text  # fmt: skip
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        needle_eval(_bos_model(), 200, ["kvquant-4"], data=text, depths=[0.5], calibration={"kvquant-4": never},
+                    bos="never")  # fmt: skip
+    assert "was fitted on windows" not in caplog.text
