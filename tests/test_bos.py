@@ -497,3 +497,49 @@ def test_the_printed_speed_summary_names_the_bos_token_plain_as_eval_does(capsys
     _print({**run, "batches": [], "runs": [], "tokens": 2, "wall_seconds": 1.0}, None)
     out = capsys.readouterr().out
     assert "each prompt starting with the BOS token <s> (id 1)" in out, out
+
+
+def test_a_reused_run_warns_as_the_live_run_did_about_its_bos(tmp_path, caplog):
+    """``--out`` reusing a run whose windows started with the BOS said "30 of the 32 evaluated tokens (94%)" where
+    the run itself said "30 of the 30 (100%)" (the BOS is no text token), and said nothing of a calibration cut
+    without a BOS; now the reused run's warnings are the live run's."""
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate import evaluate
+
+    text = str(write_sentences(tmp_path / "t.txt", 60))
+    never = calibrate(_bos_model(), text, "kvquant-4", context=32, windows=2, fisher=False, max_tokens=64,
+                      bos="never")  # fmt: skip
+    said = []
+    for _ in range(2):  # the run, then the run reused
+        caplog.clear()
+        skipped: list[dict] = []
+        with caplog.at_level("WARNING"):
+            evaluate(_bos_model(), text, 16, ["kvquant-4"], windows=2, calibration={"kvquant-4": never},
+                     out_dir=tmp_path / "run", on_skip=skipped.append)  # fmt: skip
+        said.append(caplog.text)
+    assert skipped  # the second was reused
+    for text_said in said:
+        assert "30 of the 30 evaluated tokens (100%)" in text_said
+        assert "was fitted on windows without a BOS token (raw slices of the text), but this evaluation's windows " \
+            "start with the BOS token" in text_said  # fmt: skip
+
+
+def test_needle_warns_when_its_calibration_was_cut_with_another_bos(tmp_path, caplog):
+    """``kvbits needle --bos`` and ``kvbits calibrate --bos`` came from two branches: eval warned of a calibration cut
+    without a BOS served to windows with one, needle (trials that start with the BOS by default) said nothing."""
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate.needle_run import needle_eval
+
+    text = str(write_sentences(tmp_path / "t.txt", 80))
+    other = str(write_sentences(tmp_path / "o.txt", 60, seed=1))
+    never = calibrate(_bos_model(), other, "kvquant-4", context=32, windows=2, fisher=False, max_tokens=64,
+                      bos="never")  # fmt: skip
+    with caplog.at_level("WARNING"):
+        needle_eval(_bos_model(), 200, ["kvquant-4"], data=text, depths=[0.5], calibration={"kvquant-4": never})
+    assert "was fitted on windows without a BOS token (raw slices of the text), but this run's trials start with " \
+        "the BOS token" in caplog.text  # fmt: skip
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        needle_eval(_bos_model(), 200, ["kvquant-4"], data=text, depths=[0.5], calibration={"kvquant-4": never},
+                    bos="never")  # fmt: skip
+    assert "was fitted on windows" not in caplog.text

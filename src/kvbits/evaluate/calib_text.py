@@ -294,11 +294,11 @@ def warn_calibrated_on_eval_text(
     return True
 
 
-def warn_bos_mismatch(scheme: str, artifact: Any, bos: str) -> bool:
+def warn_bos_mismatch(scheme: str, artifact: Any, bos: str, *, served_as: str = "this evaluation's windows") -> bool:
     """Log a warning when ``scheme``'s calibration was fitted on windows cut with another BOS choice than the
     evaluation's (``bos``: ``"always"`` / ``"never"``; an artifact's ``data["bos"]``, ``"never"`` where it has none):
-    the BOS is the attention sink, so the K/V the scales saw at the first positions are not those served. Returns
-    whether it warned."""
+    the BOS is the attention sink, so the K/V the scales saw at the first positions are not those served.
+    ``served_as`` names what was served (``"this run's trials"`` for ``kvbits needle``). Returns whether it warned."""
     cal = sorted({"always" if r.get("bos") == "always" else "never" for r in _data_records(artifact)})
     if cal == [bos]:
         return False
@@ -310,10 +310,10 @@ def warn_bos_mismatch(scheme: str, artifact: Any, bos: str) -> bool:
     served = "start with the BOS token" if bos == "always" else "have none"
     again, other = spell(f"bos={bos!r}", f"--bos {bos}"), spell(f"bos={cal[0]!r}", f"--bos {cal[0]}")
     logger.warning(
-        "%s's calibration%s was fitted on %s, but this evaluation's windows %s: the BOS is the attention sink, so "
+        "%s's calibration%s was fitted on %s, but %s %s: the BOS is the attention sink, so "
         "its scales saw other keys and values at the first positions than those served (calibrate again with %s, "
         "or evaluate with %s)",
-        scheme, where, fitted, served, again, other,
+        scheme, where, fitted, served_as, served, again, other,
     )  # fmt: skip
     return True
 
@@ -329,6 +329,8 @@ def warn_stored(summary: dict[str, Any], calibrations: dict[str, Any], data: Any
     W, T = summary.get("windows"), summary.get("context")
     if not isinstance(W, int) or not isinstance(T, int):
         return
+    # with a BOS the text scored is W * (T - 1) tokens, as the live run says it (evaluate's total=)
+    total = W * (T - (summary.get("bos") == "always"))
     sha: Any = ...
     for res in summary.get("results") or []:
         name = res.get("scheme") if isinstance(res, dict) else None
@@ -349,7 +351,7 @@ def warn_stored(summary: dict[str, Any], calibrations: dict[str, Any], data: Any
                 new["calibration_overlap_tokens"] = None
             rec.update(new)
             unknown = "the stored run predates the count of the tokens it shares (overwrite to redo it)"
-        warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T, unknown=unknown)
+        warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T, total=total, unknown=unknown)
 
 
 def _stored_data_sha(data: Any, data_path: str | None) -> str | None:

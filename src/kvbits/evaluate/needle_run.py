@@ -352,7 +352,7 @@ def needle_eval(
     check_model_arg(model, "needle_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
-    from kvbits.evaluate.calib_text import needle_text_record, warn_calibrated_on_eval_text
+    from kvbits.evaluate.calib_text import needle_text_record, warn_bos_mismatch, warn_calibrated_on_eval_text
     from kvbits.evaluate.data import (
         bos_record,
         check_bos,
@@ -427,6 +427,8 @@ def needle_eval(
     for name, rec in on_text.items():
         warn_calibrated_on_eval_text(name, calibrations[name], rec, 0, 0, total=sum(n for _, n in spans),
                                      what="haystack tokens of the trials")  # fmt: skip
+    for name, art in calibrations.items():  # the BOS is the attention sink: scales fitted with or without it
+        warn_bos_mismatch(name, art, "never" if bos_id is None else "always", served_as="this run's trials")
 
     from kvbits.evaluate.runner import _progress
 

@@ -217,9 +217,13 @@ def _reused(
     on_skip: Callable[[dict[str, Any]], None] | None, main: bool,
 ) -> dict[str, Any]:
     """``stored``, a finished run ``--out`` holds, reused rather than rerun: said as a run would say it (rank 0:
-    ``calib_text.warn_stored``, and each result's clipping / beyond-calibration), then ``on_skip(stored)``. ``main``: whether this is rank 0."""
+    ``calib_text.warn_stored``, a calibration cut with another BOS choice than the run's windows
+    (``calib_text.warn_bos_mismatch``; a run stored before ``--bos``: no BOS), and each result's clipping /
+    beyond-calibration), then ``on_skip(stored)``. ``main``: whether this is rank 0."""
     if main:
         warn_stored(stored, calibrations, data, data_path)
+        for name, art in calibrations.items():  # as the live run warns (evaluate, after _load_windows)
+            warn_bos_mismatch(name, art, "always" if stored.get("bos") == "always" else "never")
         for res in stored.get("results") or []:
             if isinstance(res, dict) and isinstance(res.get("calibration"), dict):
                 _warn_mismatch(str(res.get("scheme")), res["calibration"], int(stored.get("context") or 0))
