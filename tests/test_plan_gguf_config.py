@@ -11,7 +11,7 @@ import pytest
 from test_plan import write_tiny_gguf
 
 from kvbits.plan import gguf_config, load_shape
-from kvbits.plan.gguf_config import gguf_config_dict, gguf_config_from_file
+from kvbits.plan.gguf_config import gguf_config_dict, gguf_config_from_file, read_gguf_table
 
 
 def _transformers_config(path: Path):
@@ -77,3 +77,68 @@ def test_real_gguf_config_from_header_equals_transformers(name, monkeypatch):
     shape = load_shape(path)
     assert shape.layers == want_shape.layers and shape.max_context == want_shape.max_context
     assert shape.n_params == want_shape.n_params
+
+
+def _count_gguf_readers(monkeypatch) -> list[int]:
+    gguf = pytest.importorskip("gguf")
+    calls = [0]
+    original = gguf.GGUFReader.__init__
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    return calls
+
+
+def test_header_walk_sizes_the_types_transformers_header_reader_refuses(tmp_path, monkeypatch):
+    """sources._gguf_header_cached read a GGUF's vocab and tensor types through transformers' ``GgufHeader``, which
+    refuses Q5_0 (ggml type 6; Qwen2.5-Coder-0.5B's Q4_K_M file holds some): gguf's full GGUFReader then read the
+    header again, ~8 s of the ~9 s ``kvbits plan --model qwen2.5-coder-0.5b`` took. Now the walk gguf_config reads
+    the config with serves both, and no GGUFReader is built."""
+    from kvbits.plan import sources
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q5_0")
+    table = read_gguf_table(path)
+    assert table is not None and table.complete and table.types == {"F32", "Q5_0"}
+    sources._gguf_header_cached.cache_clear()
+    readers = _count_gguf_readers(monkeypatch)
+    assert sources.gguf_tensor_types(path) == {"F32", "Q5_0"}
+    assert sources.gguf_vocab(path).tensor == ("token_embd.weight", 16) and readers == [0]
+
+
+def test_header_walk_refuses_a_zero_alignment(tmp_path):
+    """A file stating ``general.alignment`` 0 raised ZeroDivisionError out of the walk (and out of ``kvbits plan``)
+    instead of leaving the file to transformers, which says what is wrong."""
+    import struct
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    path = tmp_path / "zero.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+                     + string("general.architecture") + struct.pack("<I", 8) + string("llama")
+                     + string("general.alignment") + struct.pack("<II", 4, 0))
+    assert read_gguf_table(path) is None
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_real_gguf_header_walk_equals_gguf_reader(name, monkeypatch):
+    """The vocab, tensor shapes and tensor type names planning takes from the header walk equal gguf's GGUFReader's
+    for both shared GGUF models, and planning them builds no GGUFReader (Qwen2.5-Coder's Q5_0 tensors sent it to
+    one: ~8 s)."""
+    from kvbits.plan import sources
+
+    models = pytest.importorskip("kvbits.evaluate.models")
+    path = models.fetch_offline_model(name)
+    sources._gguf_header_cached.cache_clear()
+    readers = _count_gguf_readers(monkeypatch)
+    load_shape(path)
+    assert readers == [0]
+    walked = sources._gguf_header(path)
+    from_gguf = sources._gguf_header_gguf(path)
+    assert walked.types == from_gguf.types and dict(walked.shapes) == dict(from_gguf.shapes)
+    for key, value in from_gguf.metadata.items():
+        assert walked.metadata[key] == value, key

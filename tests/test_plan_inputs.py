@@ -173,13 +173,13 @@ def test_planning_from_a_gguf_reads_its_header_once(tiny_gguf, monkeypatch):
     machine; now 2, the other being transformers' config loader's, 15-17 s). Now one read serves both."""
     gguf = pytest.importorskip("gguf")
     reader = pytest.importorskip("transformers.integrations.gguf.reader")
-    from_file = _count_calls(monkeypatch, reader.GgufHeader, "from_file")
-    assert _plan_reads(tiny_gguf) == {"F32"} and from_file == [1]  # transformers' header reader
+    walks = _count_calls(monkeypatch, reader, "_read_tensor_table")
+    assert _plan_reads(tiny_gguf) == {"F32"} and walks == [1]  # the header walk (kvbits.plan.gguf_config)
 
-    def refuse(cls, *args, **kwargs):
-        raise ValueError("unknown GGML type (as transformers 5.17's reader on Q4_1)")
+    def refuse(*args, **kwargs):
+        raise ValueError("a table the walk can not read (before transformers 5.25 there is no walk)")
 
-    monkeypatch.setattr(reader.GgufHeader, "from_file", classmethod(refuse))
+    monkeypatch.setattr(reader, "_read_tensor_table", refuse)
     readers = _count_calls(monkeypatch, gguf.GGUFReader, "__init__")
     assert _plan_reads(tiny_gguf) == {"F32"} and readers == [1]  # gguf's reader, the fallback
     assert _plan_reads(tiny_gguf) == {"F32"} and readers == [2]  # the cache was cleared: read again

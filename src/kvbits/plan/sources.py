@@ -235,11 +235,7 @@ def _with_gguf_weights(config: Any, path: Path) -> Any:
 def gguf_tensor_types(path: Path) -> set[str]:
     """The GGML types of the tensors of the GGUF file ``path`` (``{"Q4_1", "Q8_0", "F32"}``), from its header
     (:func:`_gguf_header`: read once for this and :func:`gguf_vocab`)."""
-    types = _gguf_header(path).types
-    if types is None:  # transformers' reader read a type the installed gguf does not name: gguf's reader may
-        logger.debug("gguf does not name a tensor type transformers read from %s; using gguf's reader", path)
-        types = _gguf_header_gguf(path).types
-    return set(types or ())
+    return set(_gguf_header(path).types)
 
 
 class GgufVocab(NamedTuple):
@@ -264,27 +260,11 @@ _GGUF_VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 class _GgufHeader(NamedTuple):
     """What kvbits reads from a GGUF file's header: its metadata (``tokenizer.ggml.tokens`` as its length), its
-    tensors' shapes (torch order) and the GGML type names of its tensors (None where transformers' reader read a
-    type the installed gguf does not name)."""
+    tensors' shapes (torch order) and the GGML type names of its tensors."""
 
     metadata: Mapping[str, Any]
     shapes: Mapping[str, tuple[int, ...]]
-    types: frozenset[str] | None
-
-
-def _gguf_header_transformers(path: Path) -> _GgufHeader:
-    """The header of ``path`` through transformers' header reader (>= 5.25; ``ImportError`` before)."""
-    from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
-
-    metadata, _ = read_gguf_metadata(str(path))  # a string array is read as its length
-    tensors = GgufHeader.from_file(str(path)).tensors
-    try:
-        from gguf import GGMLQuantizationType
-
-        types: frozenset[str] | None = frozenset(GGMLQuantizationType(t.ggml_type).name for t in tensors)
-    except (ImportError, ValueError):  # no gguf, or a type it does not name: gguf_tensor_types asks gguf's reader
-        types = None
-    return _GgufHeader(metadata, {t.name: tuple(t.shape) for t in tensors}, types)
+    types: frozenset[str]
 
 
 def _gguf_header_gguf(path: Path) -> _GgufHeader:
@@ -308,8 +288,9 @@ def _gguf_header_gguf(path: Path) -> _GgufHeader:
 def _gguf_header(path: Path) -> _GgufHeader:
     """The header of the GGUF file ``path``, read once per file version (its real path, size and modification
     time): planning reads both its vocab (:func:`with_gguf_vocab`) and its tensor types (:func:`_with_gguf_weights`),
-    and loading its vocab again (``check_gguf_tokenizer``). transformers' header reader where it reads the file,
-    else gguf's ``GGUFReader``: before transformers 5.25, or a type or layout its reader does not know (5.17's Q4_1).
+    and loading its vocab again (``check_gguf_tokenizer``). The walk :func:`kvbits.plan.gguf_config.read_gguf_table`
+    also reads the config from (~40 ms), else gguf's ``GGUFReader`` (~4-11 s): before transformers 5.25, or a type
+    gguf's names do not cover, or a file cut short in its header.
     """
     stat = path.stat()
     return _gguf_header_cached(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
@@ -318,19 +299,19 @@ def _gguf_header(path: Path) -> _GgufHeader:
 @functools.lru_cache(maxsize=8)
 def _gguf_header_cached(path: str, size: int, mtime_ns: int) -> _GgufHeader:
     """``_gguf_header`` of the file at ``path`` (``size`` and ``mtime_ns`` key the cache alone)."""
-    try:
-        return _gguf_header_transformers(Path(path))
-    except ImportError:
-        pass
-    except (ValueError, KeyError, struct.error):  # a type or layout it does not know: gguf's reader may
-        logger.debug("transformers' GGUF header reader could not read %s; using gguf's reader", path)
+    from kvbits.plan.gguf_config import read_gguf_table
+
+    table = read_gguf_table(Path(path))
+    if table is not None:
+        return _GgufHeader(table.metadata, {name: shape for name, shape, *_ in table.tensors}, table.types)
+    logger.debug("could not walk the GGUF header of %s; using gguf's reader", path)
     return _gguf_header_gguf(Path(path))
 
 
 def gguf_vocab(path: Path) -> GgufVocab:
     """The vocabulary metadata and the embedding tensor's rows of the GGUF file ``path`` (its header alone:
-    ~40 ms for SmolLM2-135M with transformers' reader, ~4 s with gguf's ``GGUFReader``, which reads what
-    transformers' does not: before transformers 5.25, or a tensor type its reader does not know, as 5.17's Q4_1)."""
+    ~40 ms for SmolLM2-135M or Qwen2.5-Coder-0.5B with the header walk, ~4-11 s with gguf's ``GGUFReader``, which
+    reads what the walk does not: before transformers 5.25, or a file cut short in its header: see :func:`_gguf_header`)."""
     metadata, shapes, _ = _gguf_header(path)
     tokens = metadata.get("tokenizer.ggml.tokens")
     tokens = tokens if isinstance(tokens, int) or tokens is None else len(tokens)
