@@ -65,8 +65,26 @@ def test_peer_names_are_left_to_the_commands_that_resolve_them() -> None:
         check_scheme_args(["int4-tokn"], peers=True)
 
 
-def test_tune_still_explains_a_peer_candidate() -> None:
-    """The pre-check leaves a peer name to ``tune_scheme``, whose message says what a peer is."""
-    rc, err, _ = _refuse(["tune", *MD, "--candidates", "hf-quanto-int4", "--candidates", "int2-token",
-                          "--budget-bits", "3", "--device", "cpu"])  # fmt: skip
-    assert rc == 2 and "is a comparison peer" in err, err
+@pytest.mark.parametrize("flag,role", [("--candidates", "candidate"), ("--compare", "compare")])
+def test_tune_explains_a_peer_before_torch_is_imported(flag: str, role: str) -> None:
+    """A peer name given to ``kvbits tune`` was explained only by ``tune_scheme``, after ~4 s of imports (torch); the
+    light check now says the same (``tune_peer_refusal``, one text) before them."""
+    cands = ["--candidates", "int4-token", "--candidates", "int2-token"]
+    argv = ["tune", *MD, *(cands[:2] if flag == "--candidates" else cands), flag, "hf-quanto-int4", "--budget-bits",
+            "3", "--device", "cpu"]  # fmt: skip
+    rc, err, heavy = _refuse(argv)
+    assert rc == 2 and f"{role} 'hf-quanto-int4' is a comparison peer (transformers QuantizedCache" in err, err
+    assert "e.g. int4-token or kivi-4" in err, err
+    assert heavy == [], heavy
+
+
+def test_tune_scheme_says_the_same_of_a_peer() -> None:
+    """The library path (``tune_scheme``) and the light check share the message and the peer table."""
+    from kvbits._argtypes import PEERS, tune_peer_refusal
+    from kvbits.evaluate.stream import PEER_SCHEMES
+    from kvbits.tune.inputs import tune_scheme
+
+    assert {n: (p.nbits, p.description) for n, p in PEER_SCHEMES.items()} == PEERS
+    with pytest.raises(ValueError) as info:
+        tune_scheme("hf-quanto-int2", "compare")
+    assert str(info.value) == tune_peer_refusal("hf-quanto-int2", "compare")

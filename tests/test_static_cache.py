@@ -1618,6 +1618,49 @@ def test_reset_logs_the_unread_lazy_checks_of_the_request_it_ends(caplog, bad: f
         assert not [r for r in caplog.records if "pending lazy K/V check failed" in r.getMessage()]
 
 
+def test_a_layer_reset_logs_its_unread_lazy_checks_and_the_cache_reset_reads_them_once(caplog):
+    """``StaticQuantizedLayer.reset()`` called on its own zeroed a NaN its lazy checks held, unread and unlogged (the
+    cache-level reset logged it); now it reads and logs it (one sync), and the cache's reset, which read every layer
+    together, is neither read again per layer nor logged twice."""
+    model = build("llama")
+    ids = prompt(1)
+
+    def poison(module, args, out):
+        return torch.full_like(out, float("nan"))
+
+    def run_poisoned(cache):
+        with torch.no_grad():
+            kw = cache_kwargs(cache, model)
+            model(ids, **kw, use_cache=True)
+            hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(poison)
+            try:
+                model(ids[:, :1], **kw, use_cache=True)
+            finally:
+                hook.remove()
+
+    def failed():
+        return [r.getMessage() for r in caplog.records if "pending lazy K/V check failed" in r.getMessage()]
+
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=PROMPT + 4, checks="lazy")
+    run_poisoned(cache)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache.static"):
+        cache.kv_layers[0].reset()
+        assert failed() == []
+        cache.kv_layers[1].reset()
+    assert len(failed()) == 1 and failed()[0].startswith("StaticQuantizedLayer.reset(): "), failed()
+    assert "layer 1: keys written to the cache held NaN or inf" in failed()[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache.static"):
+        cache.kv_layers[1].reset()  # zeroed: nothing left to say
+    assert failed() == []
+
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=PROMPT + 4, checks="lazy")
+    run_poisoned(cache)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache.static"):
+        cache.reset()
+    assert len(failed()) == 1 and failed()[0].startswith("StaticQuantizedKVCache.reset(): "), failed()
+
+
 def test_static_lazy_check_message_tells_a_value_just_past_the_bound_from_it():
     """The static cache's lazy check wrote magnitudes with 4 digits: 65505 against the float16 bound 65504 read
     "|x| up to 6.55e+04 (bound 6.55e+04)", which reads as within it; the dynamic cache and the eager checks write 6

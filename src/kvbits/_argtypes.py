@@ -336,23 +336,47 @@ def add_summary_output_args(parser: argparse.ArgumentParser, command: str) -> No
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
 
 
-PEER_NAMES = ("hf-quanto-int4", "hf-quanto-int2")
+PEERS: dict[str, tuple[int, str]] = {
+    "hf-quanto-int4": (4, "transformers QuantizedCache, quanto int4, residual 128, groups of 64"),
+    "hf-quanto-int2": (2, "transformers QuantizedCache, quanto int2, residual 128, groups of 64"),
+}
+"""name -> (code width, description) of each comparison peer, torch-free: ``kvbits.evaluate.stream.PEER_SCHEMES``
+is built from it, and ``tune_peer_refusal`` explains a peer without importing that module."""
+
+PEER_NAMES = tuple(PEERS)
 """The names of ``kvbits.evaluate.stream.PEER_SCHEMES`` (transformers' ``QuantizedCache`` peers), without importing
 that module (torch): the names ``check_scheme_args`` lets through to the command that resolves them."""
 
 
-def check_scheme_args(specs: Any, *, peers: bool = False) -> None:
+def tune_peer_refusal(spec: str, role: str) -> str:
+    """What ``kvbits tune`` says of a comparison peer's name ``spec`` (a key of ``PEERS``) given as a ``role``
+    (``"candidate"``, ``"compare"``): what a peer is, why tune can not mix it, and what to pass instead. The one text
+    of both ``check_scheme_args(..., role=...)`` (before the imports) and ``kvbits.tune.inputs.tune_scheme``."""
+    nbits, description = PEERS[spec]
+    return (
+        f"{role} {spec!r} is a comparison peer ({description}), not a kvbits scheme: tune measures each "
+        "layer stored by each scheme alone and mixes them per layer, which a third-party cache of the whole "
+        f"model can not be; pass a kvbits preset instead (e.g. int{nbits}-token or kivi-{nbits}; "
+        f"kvbits schemes lists them), and measure {spec} beside the tuned mix with "
+        f"kvbits eval --mode stream --scheme {spec} --scheme MIX.json"
+    )
+
+
+def check_scheme_args(specs: Any, *, peers: bool = False, role: str | None = None) -> None:
     """``get_scheme`` of each string in ``specs`` (the ``--scheme`` / ``--candidates`` / ``--compare`` values; None:
     nothing), before a command imports torch: an unknown preset name (with the did-you-mean hint), a scheme JSON that
     does not exist or does not parse, a mixed string of an unknown preset are refused in ~0.2 s, not after 4-8 s of
     imports. The command resolves the schemes again, as before; with ``peers``, a peer name (``PEER_NAMES``) is left
-    to it and a refusal lists the peers as ``resolve_scheme``'s does; without, a peer is left to the command too (its
-    own message says what a peer is and why it is refused)."""
+    to it and a refusal lists the peers as ``resolve_scheme``'s does; with ``role`` (``kvbits tune``'s
+    ``"candidate"`` / ``"compare"``), a peer name is refused with ``tune_peer_refusal``'s message; with neither, a peer
+    is left to the command (its own message says what a peer is and why it is refused)."""
     if specs is None:
         return
     from kvbits.schemes import get_scheme  # torch-free
 
     for spec in [specs] if isinstance(specs, str) else specs:
+        if isinstance(spec, str) and spec in PEER_NAMES and role is not None and not peers:
+            raise ValueError(tune_peer_refusal(spec, role))
         if not isinstance(spec, str) or spec in PEER_NAMES:
             continue
         try:

@@ -340,6 +340,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self._shape: tuple[int, int, int] | None = None  # (B, H_kv, D)
         self._bounds: tuple[float, float] = (float("inf"), float("inf"))
         self._lazy = False
+        self._checks_seen = False  # the cache read (or raised) the checks of the K/V held: reset() does not read them
         # calibrated parameters by side, as quantize takes them (kvbits.cache.fixed), on the K/V device from the first
         # update; a static FP8 side without an installed scale gets 1.0 there
         self._fixed: dict[str, dict[str, torch.Tensor]] = {side: {} for side in SIDES}
@@ -993,7 +994,16 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Back to no tokens, in place (the slabs keep their addresses, so a captured graph stays valid). The host's
         counts restart too, but stay unused once a step was traced or captured without bookkeeping
-        (``host_counts``): that graph's replays, which the host does not see, may go on after the reset."""
+        (``host_counts``): that graph's replays, which the host does not see, may go on after the reset.
+
+        Lazy checks still unread (``checks_to_read``) are read first, one host sync, and bad K/V they find are logged
+        (WARNING) instead of being zeroed unseen, as ``StaticQuantizedKVCache.reset()`` does for all layers at once
+        (it reads them together and marks them read, so they are neither read nor logged again here); ``reset()``
+        never raises for them."""
+        seen, self._checks_seen = self._checks_seen, False
+        if not seen and self.checks_to_read and (error := self.check_failure(*self.maxima.tolist())) is not None:
+            logger.warning("StaticQuantizedLayer.reset(): the pending lazy K/V check failed: %s. The layer is emptied "
+                           "now; the outputs of the request just reset were computed from these K/V", error)  # fmt: skip
         self.tokens_written, self._host_qlen = 0, 0
         self.length.zero_()
         # a new request asks again at its first call, also a one-token prompt's (claim holds a decline for q == 1)
@@ -1413,6 +1423,8 @@ class StaticQuantizedKVCache(Cache):
                            "now; the outputs of the request just reset were computed from these K/V",
                            "; ".join(errors))  # fmt: skip
         self._checks_raised = False
+        for layer in self.kv_layers:  # read above (or raised by check_inputs): the layers' reset does not read again
+            layer._checks_seen = True
         super().reset()
 
     def memory_report(self) -> dict[str, Any]:

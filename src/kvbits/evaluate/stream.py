@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvbits._argtypes import runs_on_device
+from kvbits._argtypes import PEERS, runs_on_device
 from kvbits._model import check_model
 from kvbits.cache.cache import _holds_state, _is_state_layer, linear_state_bytes
 from kvbits.cache.compat import cache_kwarg
@@ -165,21 +165,7 @@ class PeerScheme:
 
 
 PEER_SCHEMES: dict[str, PeerScheme] = {
-    p.name: p
-    for p in (
-        PeerScheme(
-            "hf-quanto-int4",
-            "quanto",
-            4,
-            description="transformers QuantizedCache, quanto int4, residual 128, groups of 64",
-        ),
-        PeerScheme(
-            "hf-quanto-int2",
-            "quanto",
-            2,
-            description="transformers QuantizedCache, quanto int2, residual 128, groups of 64",
-        ),
-    )
+    name: PeerScheme(name, "quanto", nbits, description=description) for name, (nbits, description) in PEERS.items()
 }
 
 

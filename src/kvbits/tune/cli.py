@@ -149,7 +149,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_scheme_args([*args.candidates, *(args.compare or ())])  # torch-free: a misspelled name is refused in ~0.2 s, not after the imports
+    check_scheme_args(args.candidates, role="candidate")  # torch-free: a misspelled name or a peer is refused in ~0.2 s
+    check_scheme_args(args.compare, role="compare")  # torch-free: a misspelled name is refused in ~0.2 s, not after the imports
     from kvbits.evaluate.request import check_device
     from kvbits.tune import tune
 

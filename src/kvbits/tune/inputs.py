@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvbits._argtypes import PEER_NAMES, tune_peer_refusal
 from kvbits._spelling import spell
 from kvbits.schemes import KVScheme, get_scheme
 
@@ -14,18 +15,8 @@ def tune_scheme(spec: Any, role: str) -> KVScheme:
     """``get_scheme(spec)``, but a comparison peer's name (``hf-quanto-int4``: transformers' ``QuantizedCache``, which
     ``kvbits eval`` measures beside kvbits schemes) is refused saying what it is and what to pass instead, not as an
     "unknown scheme". ``role`` (``"candidate"``, ``"compare"``) starts the message."""
-    if isinstance(spec, str):
-        from kvbits.evaluate.stream import PEER_SCHEMES
-
-        peer = PEER_SCHEMES.get(spec)
-        if peer is not None:
-            raise ValueError(
-                f"{role} {spec!r} is a comparison peer ({peer.description}), not a kvbits scheme: tune measures each "
-                "layer stored by each scheme alone and mixes them per layer, which a third-party cache of the whole "
-                f"model can not be; pass a kvbits preset instead (e.g. int{peer.nbits}-token or kivi-{peer.nbits}; "
-                f"kvbits schemes lists them), and measure {spec} beside the tuned mix with "
-                f"kvbits eval --mode stream --scheme {spec} --scheme MIX.json"
-            )
+    if isinstance(spec, str) and spec in PEER_NAMES:
+        raise ValueError(tune_peer_refusal(spec, role))
     return get_scheme(spec)
 
 
