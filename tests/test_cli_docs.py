@@ -336,3 +336,19 @@ def test_the_readme_export_claims_hold(tmp_path) -> None:
     args = build_parser().parse_args(["export", "--scheme", str(scheme), "--layers", "12"])
     with pytest.raises(ValueError, match="--layers 12 disagrees with .*meta.layers 24"):
         _run_scheme(args)
+
+
+@pytest.mark.parametrize(
+    "argv, hint", [(["evall"], "did you mean eval?"), (["plan", "--contxt", "8k"], "did you mean --context?")]
+)
+def test_readme_states_the_did_you_mean_of_a_mistyped_command_or_option(argv, hint, capsys) -> None:
+    """A mistyped command (0cdb4f4) or option is refused with exit status 2 naming the near one; the README's CLI
+    section says so with these two examples."""
+    from kvbits.cli import main
+
+    text = " ".join(README.read_text().split())
+    assert ("a mistyped command or option is refused with exit status 2 naming the nearest one (`kvbits evall`: "
+            "`did you mean eval?`; `--contxt`: `did you mean --context?`)") in text  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and hint in capsys.readouterr().err

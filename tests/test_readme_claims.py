@@ -206,17 +206,20 @@ def test_an_edited_calibration_json_is_refused_as_the_readme_says(tmp_path) -> N
 
 def test_reset_logs_a_pending_lazy_check_as_the_readme_says(caplog) -> None:
     """README's range paragraph: reset() of a lazily checked cache reads the check still pending and logs the bad K/V
-    it finds (WARNING) instead of forgetting them, never raising; the three classes it names have such a reset."""
+    it finds (WARNING) instead of forgetting them, never raising; the four classes it names have such a reset (a lone
+    ``StaticQuantizedLayer``'s since c058b66)."""
     import logging
 
     import torch
 
     from kvbits.cache import QuantizedKVCache, QuantizedKVLayer, StaticQuantizedKVCache
+    from kvbits.cache.static import StaticQuantizedLayer
 
     text = " ".join(README.read_text().split())
-    assert ("`reset()` of `QuantizedKVCache`, `StaticQuantizedKVCache` or a lone `QuantizedKVLayer` reads a check still "
-            "pending and logs the bad K/V it finds as a WARNING instead of forgetting them, never raising") in text  # fmt: skip
-    for cls in (QuantizedKVCache, StaticQuantizedKVCache, QuantizedKVLayer):
+    assert ("`reset()` of `QuantizedKVCache`, `StaticQuantizedKVCache` or a lone `QuantizedKVLayer` or "
+            "`StaticQuantizedLayer` reads a check still pending and logs the bad K/V it finds as a WARNING instead of "
+            "forgetting them, never raising") in text  # fmt: skip
+    for cls in (QuantizedKVCache, StaticQuantizedKVCache, QuantizedKVLayer, StaticQuantizedLayer):
         assert "WARNING" in (cls.reset.__doc__ or ""), cls
     cache = QuantizedKVCache(num_layers=1, scheme="int4-token", checks="lazy", check_every=64)
     k, v = torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
@@ -225,3 +228,69 @@ def test_reset_logs_a_pending_lazy_check_as_the_readme_says(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
         cache.reset()
     assert any("pending lazy K/V check failed" in r.getMessage() and "NaN" in r.getMessage() for r in caplog.records)
+
+
+def test_plan_reads_a_llama_gguf_header_without_gguf_reader_as_the_readme_says(tmp_path, monkeypatch) -> None:
+    """README's Models paragraph: ``kvbits plan --model`` reads the GGUF file's header, and for a Llama or Qwen2 file
+    one walk of it gives config, vocab and tensor types without gguf's ``GGUFReader`` (0fbda1e; a Q5_0 tensor sent
+    the tensor types to a GGUFReader before)."""
+    gguf = pytest.importorskip("gguf")
+    from test_plan import write_tiny_gguf
+
+    from kvbits.plan import load_shape, sources
+
+    text = " ".join(README.read_text().split())
+    assert ("`kvbits plan --model` reads the GGUF file's header itself (no tensor data; for a Llama or Qwen2 file one "
+            "walk of its metadata and tensor table gives the config, the vocab and the tensor types, without gguf's "
+            "`GGUFReader`)") in text  # fmt: skip
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q5_0")
+    built = []
+    original = gguf.GGUFReader.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(args)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    sources._gguf_header_cached.cache_clear()
+    shape = load_shape(path)
+    assert len(shape.layers) == 3 and shape.weights_quantized == "gguf Q5_0"
+    assert sources.gguf_tensor_types(path) == {"F32", "Q5_0"} and sources.gguf_vocab(path).tensor is not None
+    assert built == []
+
+
+def test_monitor_refuses_a_pre_rope_scheme_before_the_weights_as_the_readme_says(tmp_path, monkeypatch) -> None:
+    """README's pre-RoPE bullet names `monitor` among the commands that refuse pre-RoPE keys on a model that rotates
+    none before their first forward pass: ``watch`` checks the config before the weights load (9db5017)."""
+    import torch
+    import transformers
+
+    from kvbits.monitor import watch
+
+    assert "`eval`, `needle`, `speed`, `monitor` and `calibrate` before their first forward pass" in " ".join(
+        _pre_rope_section().split()
+    )
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=64, n_positions=512)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(ValueError, match="quantizes keys before RoPE.*learned absolute position embeddings"):
+        watch(str(tmp_path / "gpt2"), torch.randint(0, 64, (200,)), 64, "int4-channel-prerope")
+
+
+def test_the_bos_mismatch_warning_the_readme_names_is_given_by_needle_and_a_reused_eval() -> None:
+    """README's CLI section: `kvbits eval` (also when `--out` reuses a finished run) and `kvbits needle` warn when a
+    calibration was cut with another BOS choice (002d8aa, ff8ad86): both paths call ``warn_bos_mismatch``, needle's
+    naming its trials (test_bos.py runs them)."""
+    import inspect
+
+    from kvbits.evaluate import needle_run, runner
+
+    text = " ".join(README.read_text().split())
+    assert ("`kvbits eval` (also when `--out` reuses a finished run) and `kvbits needle` warn when a calibration was "
+            "cut with another BOS choice than their windows or trials") in text  # fmt: skip
+    assert "warn_bos_mismatch(" in inspect.getsource(runner._reused)
+    assert 'served_as="this run\'s trials"' in inspect.getsource(needle_run.needle_eval)
