@@ -24,7 +24,8 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 # GPU machine's case (test_hub: huggingface_hub 1.x there; about 20 s for both), RoPE tables against the models'
 # own (test_rope), the seeded differential tests of both caches and the hybrid decoders' layers (test_cache_hybrid:
 # transformers' linear-attention layer classes) and a left-padded chunked prefill (test_chunked_prefill: tracked
-# position ids); about 100 s for these five under load, 2026-12-07.
+# position ids); about 100 s for these five under load, 2026-12-07. And `--device cuda:N` (test_on_device: each
+# model command's Triton launches on that device's stream; 3.6 s under 5.17, 2026-12-07).
 # Installed beside the venv's newer transformers, in a folder that goes first on PYTHONPATH.
 TF_COMPAT     ?= 5.17.0
 COMPAT_DIR    := $(VENV)/compat-transformers-$(TF_COMPAT)
@@ -32,7 +33,7 @@ COMPAT_TESTS  := tests/test_cache.py tests/test_cache_inputs.py tests/test_cache
                  tests/test_reserve.py tests/test_falcon_heads.py tests/test_speed.py tests/test_cache_compat.py \
                  tests/test_compile.py tests/test_static_cache.py tests/test_cache_configs.py tests/test_hub.py \
                  tests/test_rope.py tests/test_cache_differential.py tests/test_static_cache_differential.py \
-                 tests/test_cache_hybrid.py tests/test_chunked_prefill.py
+                 tests/test_cache_hybrid.py tests/test_chunked_prefill.py tests/test_on_device.py
 
 .PHONY: setup demo test test-all test-compat bench-cpu clean
 

@@ -177,7 +177,7 @@ def test_planning_from_a_gguf_reads_its_header_once(tiny_gguf, monkeypatch):
     assert _plan_reads(tiny_gguf) == {"F32"} and walks == [1]  # the header walk (kvbits.plan.gguf_config)
 
     def refuse(*args, **kwargs):
-        raise ValueError("a table the walk can not read (before transformers 5.25 there is no walk)")
+        raise ValueError("a table the walk can not read (as with a transformers without the walk's reader)")
 
     monkeypatch.setattr(reader, "_read_tensor_table", refuse)
     readers = _count_calls(monkeypatch, gguf.GGUFReader, "__init__")

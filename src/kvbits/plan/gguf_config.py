@@ -108,9 +108,9 @@ def read_gguf_table(path: Path) -> GgufTable | None:
     """The header of the GGUF file ``path``, walked with transformers' header reader's metadata and tensor-table
     parsers and sized with the ``gguf`` package's block sizes (so any type gguf knows, Q5_0 included, which
     transformers' ``GgufHeader`` refuses: ~40 ms for Qwen2.5-Coder-0.5B's Q4_K_M file where gguf's ``GGUFReader``
-    takes ~8 s). None where it can not tell: before transformers 5.25, a file that is empty, not GGUF or cut short
-    in its header, or a tensor type gguf does not name (the callers then ask transformers or gguf's reader, which
-    say why)."""
+    takes ~8 s; transformers 5.17 and 5.25 both have that reader and give the same table). None where it can not
+    tell: a transformers without that reader, a file that is empty, not GGUF or cut short in its header, or a tensor
+    type gguf does not name (the callers then ask transformers or gguf's reader, which say why)."""
     try:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
         from transformers.integrations.gguf.reader import _mapped, _read_metadata, _read_tensor_table

@@ -289,8 +289,8 @@ def _gguf_header(path: Path) -> _GgufHeader:
     """The header of the GGUF file ``path``, read once per file version (its real path, size and modification
     time): planning reads both its vocab (:func:`with_gguf_vocab`) and its tensor types (:func:`_with_gguf_weights`),
     and loading its vocab again (``check_gguf_tokenizer``). The walk :func:`kvbits.plan.gguf_config.read_gguf_table`
-    also reads the config from (~40 ms), else gguf's ``GGUFReader`` (~4-11 s): before transformers 5.25, or a type
-    gguf's names do not cover, or a file cut short in its header.
+    also reads the config from (~40 ms), else gguf's ``GGUFReader`` (~4-11 s): a transformers without the walk's
+    reader, or a type gguf's names do not cover, or a file cut short in its header.
     """
     stat = path.stat()
     return _gguf_header_cached(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
@@ -311,7 +311,8 @@ def _gguf_header_cached(path: str, size: int, mtime_ns: int) -> _GgufHeader:
 def gguf_vocab(path: Path) -> GgufVocab:
     """The vocabulary metadata and the embedding tensor's rows of the GGUF file ``path`` (its header alone:
     ~40 ms for SmolLM2-135M or Qwen2.5-Coder-0.5B with the header walk, ~4-11 s with gguf's ``GGUFReader``, which
-    reads what the walk does not: before transformers 5.25, or a file cut short in its header: see :func:`_gguf_header`)."""
+    reads what the walk does not: a transformers without its reader, or a file cut short in its header: see
+    :func:`_gguf_header`)."""
     metadata, shapes, _ = _gguf_header(path)
     tokens = metadata.get("tokenizer.ggml.tokens")
     tokens = tokens if isinstance(tokens, int) or tokens is None else len(tokens)
