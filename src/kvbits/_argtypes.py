@@ -58,6 +58,7 @@ __all__ = [
     "bounded",
     "check_output_path",
     "check_overwrite_has_out",
+    "check_scheme_args",
     "check_seed",
     "emit_summary",
     "model_device",
@@ -367,7 +368,8 @@ def check_scheme_args(specs: Any, *, peers: bool = False, role: str | None = Non
     nothing), before a command imports torch: an unknown preset name (with the did-you-mean hint), a scheme JSON that
     does not exist or does not parse, a mixed string of an unknown preset are refused in ~0.2 s, not after 4-8 s of
     imports. The command resolves the schemes again, as before; with ``peers``, a peer name (``PEER_NAMES``) is left
-    to it and a refusal lists the peers as ``resolve_scheme``'s does; with ``role`` (``kvbits tune``'s
+    to it and a refusal lists the peers as ``resolve_scheme``'s does (only for the commands that run peers: eval,
+    speed, needle; monitor, export, calibrate and tune refuse them, so their refusals do not offer them); with ``role`` (``kvbits tune``'s
     ``"candidate"`` / ``"compare"``), a peer name is refused with ``tune_peer_refusal``'s message; with neither, a peer
     is left to the command (its own message says what a peer is and why it is refused)."""
     if specs is None:

@@ -170,7 +170,8 @@ def _check_policy_applies(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_scheme_args(args.scheme, peers=True)  # torch-free: a misspelled name is refused in ~0.2 s, not after the imports
+    # torch-free: a misspelled name is refused in ~0.2 s, not after the imports; no peers offered (watch() refuses them)
+    check_scheme_args(args.scheme)
     from kvbits.monitor.policy import FallbackPolicy
     from kvbits.monitor.watch import watch
 
