@@ -169,8 +169,9 @@ def _run_scheme(args: argparse.Namespace) -> int:
 
 def _tune_record_layers(scheme: str) -> tuple[int, Path] | None:
     """``(meta.layers, record path)`` of the ``kvbits tune`` record beside a scheme JSON (``<scheme>.tune.json``,
-    which tune writes with it), None where there is none; ``ValueError`` for a record without a layer count."""
-    record = Path(scheme + ".tune.json")
+    which tune writes with it), None where there is none; ``ValueError`` for a record without a layer count. ``~`` is
+    expanded, as ``get_scheme`` expands it for the scheme itself."""
+    record = Path(str(Path(scheme).expanduser()) + ".tune.json")
     if not scheme.lower().endswith(".json") or not record.is_file():
         return None
     try:
