@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_device(args.device)  # before the model loads
     check_overwrite_has_out(args)
+    if args.out:  # "~/mix.json" (quoted, or --out=~/...: no shell expansion) is the home's, not a folder named "~"
+        args.out = os.path.expanduser(args.out)
     if args.out and Path(args.out).suffix.lower() != ".json":
         raise ValueError(f"--out {args.out}: expected a .json path (what --scheme takes back)")
     if args.out:
