@@ -68,7 +68,7 @@ from kvbits.evaluate.calib_text import (
     warn_calibrated_on_eval_text,
     warn_stored,
 )
-from kvbits.evaluate.data import bos_token_text, check_bos, load_text
+from kvbits.evaluate.data import bos_record, check_bos, load_text
 from kvbits.evaluate.distributed import kept_cuda_device, resolve_ranks
 from kvbits.evaluate.generation import (
     check_can_generate,
@@ -735,9 +735,7 @@ def evaluate(
         "semantics": semantics,
         "mode": mode,
         "windows": W,
-        "bos": "never" if bos_id is None else "always",
-        # the BOS's text and id, with a BOS only (records without them render as before)
-        **({} if bos_id is None else {"bos_token": bos_token_text(tokenizer, bos_id), "bos_token_id": int(bos_id)}),
+        **bos_record(tokenizer, bos_id),  # "bos", and with a BOS its "bos_token" / "bos_token_id"
         "fingerprint": fingerprint,
         "results": results,
         "reference_seconds": run["reference_seconds"],
