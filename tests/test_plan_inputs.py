@@ -157,11 +157,11 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> l
 def _plan_reads(path: Path) -> set[str]:
     """What planning from the GGUF file ``path`` reads of its header after transformers built the config
     (``_from_gguf``'s tail): its vocab size, then its tensor types."""
-    from kvbits.plan import sources
+    from kvbits.plan import gguf_config, sources
 
-    cached = getattr(sources, "_gguf_header_cached", None)
-    if cached is not None:
-        cached.cache_clear()
+    for cached in (getattr(sources, "_gguf_header_cached", None), getattr(gguf_config, "_read_gguf_table_cached", None)):
+        if cached is not None:
+            cached.cache_clear()
     sources.with_gguf_vocab(SimpleNamespace(vocab_size=32000), path)  # a config transformers read
     return sources.gguf_tensor_types(path)
 

@@ -15,8 +15,10 @@ transformers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -105,12 +107,20 @@ class GgufTable(NamedTuple):
 
 
 def read_gguf_table(path: Path) -> GgufTable | None:
-    """The header of the GGUF file ``path``, walked with transformers' header reader's metadata and tensor-table
-    parsers and sized with the ``gguf`` package's block sizes (so any type gguf knows, Q5_0 included, which
+    """The header of the GGUF file ``path``, walked once per file version (its real path, size and modification
+    time: planning reads the config here and the vocab and tensor types through ``kvbits.plan.sources``) with
+    transformers' header reader's metadata and tensor-table parsers and sized with the ``gguf`` package's block sizes (so any type gguf knows, Q5_0 included, which
     transformers' ``GgufHeader`` refuses: ~40 ms for Qwen2.5-Coder-0.5B's Q4_K_M file where gguf's ``GGUFReader``
     takes ~8 s; transformers 5.17 and 5.25 both have that reader and give the same table). None where it can not
     tell: a transformers without that reader, a file that is empty, not GGUF or cut short in its header, or a tensor
     type gguf does not name (the callers then ask transformers or gguf's reader, which say why)."""
+    stat = os.stat(path)
+    return _read_gguf_table_cached(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_gguf_table_cached(path: str, size: int, mtime_ns: int) -> GgufTable | None:
+    """:func:`read_gguf_table` of the file at ``path`` (``size`` and ``mtime_ns`` key the cache alone)."""
     try:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
         from transformers.integrations.gguf.reader import _mapped, _read_metadata, _read_tensor_table
