@@ -153,8 +153,7 @@ def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[in
     unserved = {idx: sub for idx, sub in s.layers if idx in quantized and quantized[idx] is None}
     if unserved:  # a format vLLM has not: say what it keeps that vLLM would lose
         sub = unserved[min(unserved)]
-        lacks = _what_vllm_lacks(sub)
-        why = f" ({'; '.join(lacks)}; vLLM can not)" if lacks else ""
+        why = _lacks_clause(sub)
         raise ValueError(
             f"{s.name!r} stores layers {sorted(unserved)} as {', '.join(sorted({u.name for u in unserved.values()}))}: "
             f"vLLM has no KV-cache format storing {sub.name!r}{why}; store the quantized layers in one format of "
@@ -200,8 +199,7 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
     supported = ", ".join([*_FORMATS, *_UNQUANTIZED])
     name = match_preset(base, tuple(_FORMATS) + _UNQUANTIZED)
     if name is None:
-        lacks = _what_vllm_lacks(base)
-        why = f" ({'; '.join(lacks)}; vLLM can not)" if lacks else ""
+        why = _lacks_clause(base)
         what = f"the layers of {s.name!r} that no override names" if s.is_mixed else repr(s.name)
         raise ValueError(
             f"vLLM has no KV-cache format storing {what}{why}: kvbits maps only "
@@ -213,8 +211,7 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
         if match_preset(sub, _UNQUANTIZED):
             skip.append(idx)
         elif not _same_storage(sub, base):  # (an unquantized base's quantized layers: _quantized_layers)
-            lacks = _what_vllm_lacks(sub)
-            why = f" ({'; '.join(lacks)}; vLLM can not)" if lacks else ""
+            why = _lacks_clause(sub)
             raise ValueError(
                 f"{s.name!r} stores layer {idx} as {sub.name!r}{why}: vLLM can only leave a layer unquantized "
                 f"(--kv-cache-dtype-skip-layers) beside one {dtype} format; give that layer fp16 or bf16 "
@@ -225,6 +222,12 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
         # would still choose the engine's attention backend and page alignment by a format no layer stores
         return _with_notes(s.name, match_preset(s.for_layer(0), _UNQUANTIZED) or "fp16", "auto", [])
     return _with_notes(s.name, name, dtype, skip)
+
+
+def _lacks_clause(s: KVScheme) -> str:
+    """``" (<what _what_vllm_lacks says>; vLLM can not)"`` for a refusal's message, ``""`` where it says nothing."""
+    lacks = _what_vllm_lacks(s)
+    return f" ({'; '.join(lacks)}; vLLM can not)" if lacks else ""
 
 
 def _what_vllm_lacks(s: KVScheme) -> list[str]:

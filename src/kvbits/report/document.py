@@ -176,14 +176,12 @@ def build_document(
     fp = run.fingerprint or {}
     sources = _merged_sources(config)
     versions = None if sources else config.get("versions")
-    bos = "the BOS token" + ("" if run.bos_token is None else " " + code(run.bos_token)) + (
-        "" if run.bos_token_id is None or run.bos_token is None else f" (id {run.bos_token_id})")
+    bos = run.bos_phrase()
     meta = [
         ("Model", code(run.model) + (f" (fingerprint {code(str(fp['model']))})" if fp.get("model") else "")),
         ("Data", code(run.data) + (f" (tokens fingerprint {code(str(fp['tokens']))})" if fp.get("tokens") else "")),
         ("Context", f"{run.context} tokens per window, {run.windows} window(s)"
-                    + (f" (each {bos} and the next context - 1 text tokens; the BOS not scored)"
-                       if run.bos == "always" else "")),
+                    + ("" if bos is None else f" (each {bos} and the next context - 1 text tokens; the BOS not scored)")),
         ("Semantics", f"{code(run.semantics)}, {code(run.mode)} mode"),
     ]
     if run.peak_memory:

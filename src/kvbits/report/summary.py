@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._json import describe, json_object, loads, mapping, objects, whole
-from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bucket_label, fmt_bytes
+from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bos_phrase, bucket_label, fmt_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -284,13 +284,11 @@ class RunSummary:
     # a merged run: each run's own reference-pass seconds (``reference_seconds`` is the first's); () otherwise
     merged_reference_seconds: tuple[float, ...] = ()
 
-    @property
-    def bos_name(self) -> str:
-        """``"the BOS token"``, with its text and id where the record has them (``"the BOS token <|im_start|> (id
-        1)"``): a chat marker such as SmolLM2-Instruct's BOS is worth seeing."""
-        if self.bos_token is None:
-            return "the BOS token"
-        return f"the BOS token {self.bos_token}" + ("" if self.bos_token_id is None else f" (id {self.bos_token_id})")
+    def bos_phrase(self, *, markdown: bool = True) -> str | None:
+        """:func:`~.fmt.bos_phrase` of this run: ``"the BOS token `<|im_start|>` (id 1)"`` (its text and id where the
+        record has them: a chat marker such as SmolLM2-Instruct's BOS is worth seeing), None without a BOS."""
+        return bos_phrase({"bos": self.bos, "bos_token": self.bos_token, "bos_token_id": self.bos_token_id},
+                          markdown=markdown)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:

@@ -341,7 +341,7 @@ def print_summary(
     console.print(
         f"[bold]{escape(run.model)}[/] on [bold]{escape(run.data)}[/]: context {run.context}, "
         f"{escape(run.semantics)} semantics, {escape(run.mode)} mode, {run.windows} window(s)"
-        + (f", each starting with {escape(run.bos_name)}" if run.bos == "always" else "")
+        + ("" if (bos := run.bos_phrase(markdown=False)) is None else f", each starting with {escape(bos)}")
         + (f"; peak memory {run.peak_memory}" if run.peak_memory else "")
     )
     console.print(bucket_table(run, threshold))
